@@ -1,0 +1,214 @@
+"""``hlopass.jit``: ``jax.jit`` with the pass pipeline in between tracing and lowering."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import jax
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
+from hlopass import config as config_mod
+from hlopass.execution import CheckedJit
+from hlopass.jaxpr_utils import trace_flat
+from hlopass.pipeline import run_pipeline
+from hlopass.primitive import hlopass_call_p
+
+_SETTINGS = ("threshold", "split_size", "memory_limit", "passes", "dump_to", "strict")
+_ENV_VARS = (config_mod.ENV_THRESHOLD, config_mod.ENV_SPLIT_SIZE, config_mod.ENV_MEMORY_LIMIT,
+             config_mod.ENV_PASSES, config_mod.ENV_DUMP_TO, config_mod.ENV_STRICT)
+
+
+def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: Any = None,
+        memory_limit: Any = None, passes: Any = None, dump_to: Any = None, strict: Any = None,
+        **jit_kwargs):
+    """Like ``jax.jit``, with hlopass's passes applied to the traced program.
+
+    Accepts everything ``jax.jit`` accepts (``static_argnums``,
+    ``static_argnames``, ``donate_argnums``, ...) plus hlopass settings that
+    override the environment for this function: ``threshold``,
+    ``split_size``, ``memory_limit`` (sizes such as ``"100MB"`` or bytes;
+    ``"off"`` turns one off), ``passes`` (names or a comma-separated string),
+    ``dump_to`` (a folder) and ``strict`` (raise ``MemoryLimitError``
+    instead of warning). Usable as ``@hlopass.jit`` and ``@hlopass.jit(...)``.
+    """
+    overrides = {k: v for k, v in dict(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
+                                       passes=passes, dump_to=dump_to, strict=strict).items() if v is not None}
+    if fun is None:
+        return lambda f: HlopassFunction(f, overrides, jit_kwargs)
+    return HlopassFunction(fun, overrides, jit_kwargs)
+
+
+class HlopassFunction:
+    """A function compiled by hlopass; behaves like the object ``jax.jit`` returns."""
+
+    def __init__(self, fun: Callable, overrides: dict, jit_kwargs: dict):
+        if not callable(fun):
+            raise TypeError(f"hlopass.jit expects a callable, got {fun!r}")
+        functools.update_wrapper(self, fun)
+        self._fun = fun
+        self._overrides = dict(overrides)
+        self._jit_kwargs = dict(jit_kwargs)
+        self._per_config: dict[config_mod.Config, CheckedJit] = {}
+        self._config_cache: dict[tuple, config_mod.Config] = {}
+        self.trace_count = 0
+        config_mod.resolve(self._overrides)  # bad keyword settings fail at decoration time
+
+    @property
+    def label(self) -> str:
+        return getattr(self._fun, "__qualname__", getattr(self._fun, "__name__", "function"))
+
+    # -- configuration -------------------------------------------------------------
+    def config(self) -> config_mod.Config:
+        """The settings in force now (environment read now, keyword overrides applied)."""
+        key = tuple(os.environ.get(name) for name in _ENV_VARS)
+        if key not in self._config_cache:
+            self._config_cache[key] = config_mod.resolve(self._overrides)
+        return self._config_cache[key]
+
+    # -- staging ---------------------------------------------------------------------
+    def _staged(self, config: config_mod.Config) -> Callable:
+        fun, label = self._fun, self.label
+
+        @functools.wraps(fun)
+        def staged(*args, **kwargs):
+            self.trace_count += 1
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            dynamic = [isinstance(leaf, core.Tracer) for leaf in leaves]
+            out_tree = []
+
+            def flat_fun(*dynamic_values):
+                values = iter(dynamic_values)
+                full = [next(values) if d else leaf for leaf, d in zip(leaves, dynamic)]
+                call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+                out_leaves, tree = jax.tree_util.tree_flatten(fun(*call_args, **call_kwargs))
+                out_tree.append(tree)
+                return out_leaves
+
+            dynamic_leaves = [leaf for leaf, d in zip(leaves, dynamic) if d]
+            closed = trace_flat(flat_fun, [core.typeof(x) for x in dynamic_leaves], label)
+            consts = list(closed.consts)
+            body = core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
+            outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label)
+            return jax.tree_util.tree_unflatten(out_tree[0], outs)
+
+        return staged
+
+    def _checked(self, config: config_mod.Config) -> CheckedJit:
+        if config not in self._per_config:
+            jitted = jax.jit(self._staged(config), **self._jit_kwargs)
+            on_first_compile = None
+            if config.dump_to:
+                on_first_compile = functools.partial(_dump_on_compile, self, config)
+            self._per_config[config] = CheckedJit(
+                jitted, config, self.label, _as_tuple(self._jit_kwargs.get("static_argnums", ())),
+                _as_tuple(self._jit_kwargs.get("static_argnames", ())), on_first_compile)
+        return self._per_config[config]
+
+    # -- jax.jit's interface -------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self._checked(self.config())(*args, **kwargs)
+
+    def __get__(self, instance, owner=None):
+        return self if instance is None else functools.partial(self, instance)
+
+    def trace(self, *args, **kwargs) -> "Traced":
+        """Trace as ``jax.jit(...).trace`` does; the result also offers the rewritten jaxpr and report."""
+        config = self.config()
+        return Traced(self._checked(config).jitted.trace(*args, **kwargs), config)
+
+    def lower(self, *args, **kwargs) -> "Lowered":
+        """Lower to the rewritten StableHLO (``.as_text()``); ``.compile()`` checks the memory limit."""
+        traced = self.trace(*args, **kwargs)
+        return Lowered(traced._traced.lower(), traced, self.config(), self.label)
+
+    def eval_shape(self, *args, **kwargs):
+        return self._checked(self.config()).jitted.eval_shape(*args, **kwargs)
+
+    def memory_checks(self) -> list:
+        """The memory checks made so far, one per compiled signature and configuration."""
+        return [c for jitted in self._per_config.values() for c in jitted.checks.values()]
+
+    def __repr__(self) -> str:
+        return f"<hlopass.jit {self.label}>"
+
+
+def _as_tuple(value) -> tuple:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _hlopass_eqn(closed_jaxpr):
+    for eqn in closed_jaxpr.jaxpr.eqns:
+        if eqn.primitive is hlopass_call_p:
+            return eqn
+    raise ValueError("no hlopass_call in the traced program")
+
+
+class Traced:
+    """``jax.stages.Traced`` plus ``rewritten_jaxpr`` and ``report``."""
+
+    def __init__(self, traced, config):
+        self._traced = traced
+        self.config = config
+
+    def __getattr__(self, name):
+        return getattr(self._traced, name)
+
+    @property
+    def original_jaxpr(self) -> core.ClosedJaxpr:
+        """The user's program as traced, before any pass."""
+        return _hlopass_eqn(self._traced.jaxpr).params["jaxpr"]
+
+    @functools.cached_property
+    def _result(self):
+        eqn = _hlopass_eqn(self._traced.jaxpr)
+        return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"])
+
+    @property
+    def rewritten_jaxpr(self) -> core.ClosedJaxpr:
+        """The program after the passes."""
+        return self._result.jaxpr
+
+    @property
+    def report(self):
+        """The :class:`~hlopass.report.PipelineReport` of the passes."""
+        return self._result.report
+
+    def lower(self, **kwargs) -> "Lowered":
+        return Lowered(self._traced.lower(**kwargs), self, self.config, "function")
+
+
+class Lowered:
+    """``jax.stages.Lowered`` of the rewritten program; ``compile()`` also checks the memory limit."""
+
+    def __init__(self, lowered, traced: Traced, config, label: str):
+        self._lowered = lowered
+        self._traced = traced
+        self.config = config
+        self.label = label
+        self.memory_check = None
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+    @property
+    def report(self):
+        return self._traced.report
+
+    def compile(self, *args, **kwargs):
+        from hlopass.memory import enforce, measure
+        compiled = self._lowered.compile(*args, **kwargs)
+        self.memory_check = measure(compiled, self._lowered, self.config.memory_limit, self.label)
+        enforce(self.memory_check, self.config.strict)
+        return compiled
+
+
+def _dump_on_compile(function: HlopassFunction, config, args, kwargs, lowered, compiled, check) -> None:
+    from hlopass.dump import dump_explanation
+    from hlopass.explain import explain
+    explanation = explain(function, *args, _config=config, **kwargs)
+    dump_explanation(explanation, config.dump_to)

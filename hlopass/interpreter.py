@@ -1,0 +1,214 @@
+"""The rewriting interpreter: re-emit a jaxpr through JAX with some equations replaced.
+
+Passes never mutate jaxprs. They describe :class:`Replacement` s (a set of
+equations, the values they read, the values they define and a builder that
+computes those values from the inputs with ordinary JAX code), and
+:func:`rewrite` re-traces the jaxpr: untouched equations are bound as they
+are, with their source information, and each replacement's builder is called
+in their place. ``jax.make_jaxpr`` of that interpreter is the new jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import networkx as nx
+from jax._src import core, source_info_util
+
+from hlopass.jaxpr_utils import CALL_PRIMITIVES, dce, trace_flat
+
+EqnRule = Callable[[core.JaxprEqn, list[Any]], "list[Any] | None"]
+
+
+@dataclasses.dataclass
+class Replacement:
+    """Replace ``eqns`` (indices into the jaxpr's equations) by ``build``.
+
+    ``build(*values of inputs)`` returns the values of ``outputs``, in order.
+    ``anchor`` is the equation whose source line the new equations carry.
+    The replaced equations must form a convex region (no path leaves the
+    region and comes back), otherwise :func:`rewrite` raises ``ValueError``.
+    """
+
+    eqns: Sequence[int]
+    inputs: Sequence[Any]
+    outputs: Sequence[Any]
+    build: Callable[..., Sequence[Any]]
+    anchor: int | None = None
+
+
+def bind_equation(eqn: core.JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
+    """Bind ``eqn``'s primitive on ``invals`` (with ``params`` if given), under its source info."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def at_source_of(eqn: core.JaxprEqn):
+    """Context manager: equations traced inside carry ``eqn``'s source line."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+             replacements: Sequence[Replacement] = (), eqn_rule: EqnRule | None = None,
+             inline_calls: bool = False) -> list[Any]:
+    """Evaluate ``jaxpr`` like ``core.eval_jaxpr`` but with ``replacements`` applied.
+
+    ``eqn_rule(eqn, invals)`` may return output values for any untouched
+    equation (``None`` to bind it as it is). With ``inline_calls``, ``pjit``
+    and ``closed_call`` bodies are evaluated inline (recursively).
+    """
+    env: dict[core.Var, Any] = {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, core.Literal) else env[atom]
+
+    def write(var, value):
+        if not isinstance(var, core.DropVar):
+            env[var] = value
+
+    for var, value in zip(jaxpr.constvars, consts):
+        write(var, value)
+    for var, value in zip(jaxpr.invars, args):
+        write(var, value)
+
+    for kind, item in _schedule(jaxpr, replacements):
+        if kind == "replacement":
+            anchor = jaxpr.eqns[item.anchor if item.anchor is not None else max(item.eqns)]
+            with at_source_of(anchor):
+                outs = list(item.build(*map(read, item.inputs)))
+            if len(outs) != len(item.outputs):
+                raise ValueError(f"replacement built {len(outs)} values for {len(item.outputs)} outputs")
+            for var, value in zip(item.outputs, outs):
+                write(var, value)
+            continue
+        eqn = item
+        invals = list(map(read, eqn.invars))
+        outs = eqn_rule(eqn, invals) if eqn_rule is not None else None
+        if outs is None and inline_calls and eqn.primitive.name in CALL_PRIMITIVES:
+            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            body = body if isinstance(body, core.ClosedJaxpr) else core.ClosedJaxpr(body, ())
+            with at_source_of(eqn):
+                outs = evaluate(body.jaxpr, body.consts, invals, eqn_rule=eqn_rule, inline_calls=True)
+        if outs is None:
+            outs = bind_equation(eqn, invals)
+        for var, value in zip(eqn.outvars, outs):
+            write(var, value)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _schedule(jaxpr: core.Jaxpr, replacements: Sequence[Replacement]):
+    """Equations and replacements in an order that respects data dependencies."""
+    if not replacements:
+        return [("eqn", eqn) for eqn in jaxpr.eqns]
+    owner: dict[int, int] = {}
+    for k, rep in enumerate(replacements):
+        for i in rep.eqns:
+            if i in owner:
+                raise ValueError(f"equation {i} is claimed by two replacements")
+            owner[i] = k
+    node_of = lambda i: ("r", owner[i]) if i in owner else ("e", i)  # noqa: E731
+    producer: dict[core.Var, tuple] = {}
+    graph = nx.DiGraph()
+    position: dict[tuple, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        node = node_of(i)
+        graph.add_node(node)
+        position[node] = min(position.get(node, i), i)
+        for var in eqn.outvars:
+            producer[var] = node
+    for i, eqn in enumerate(jaxpr.eqns):
+        node = node_of(i)
+        reads = replacements[owner[i]].inputs if i in owner else eqn.invars
+        for atom in reads:
+            src = producer.get(atom) if isinstance(atom, core.Var) else None
+            if src is not None and src != node:
+                graph.add_edge(src, node)
+    try:
+        order = list(nx.lexicographical_topological_sort(graph, key=position.__getitem__))
+    except nx.NetworkXUnfeasible as err:
+        raise ValueError("a replacement region is not convex (a path leaves it and re-enters)") from err
+    return [("replacement", replacements[n[1]]) if n[0] == "r" else ("eqn", jaxpr.eqns[n[1]]) for n in order]
+
+
+def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[Replacement] = (),
+            eqn_rule: EqnRule | None = None, inline_calls: bool = False, name: str = "hlopass") -> core.ClosedJaxpr:
+    """Re-trace ``closed`` with ``replacements`` (and ``eqn_rule``) applied; dead code removed.
+
+    The result has the same input and output avals as ``closed``.
+    """
+    in_avals = [v.aval for v in closed.jaxpr.invars]
+
+    def interpret(*args):
+        return evaluate(closed.jaxpr, closed.consts, args, replacements, eqn_rule, inline_calls)
+
+    new = trace_flat(interpret, in_avals, name)
+    return dce(new)
+
+
+def inline_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """Inline nested ``pjit``/``closed_call`` bodies (recursively) so passes see one flat program."""
+    if not any(eqn.primitive.name in CALL_PRIMITIVES for eqn in closed.jaxpr.eqns):
+        return closed
+    return rewrite(closed, inline_calls=True)
+
+
+def map_subjaxprs(eqn: core.JaxprEqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> dict | None:
+    """``eqn.params`` with every sub-jaxpr passed through ``transform``; ``None`` if none changed.
+
+    Open ``Jaxpr`` params (``checkpoint``) are closed for the transform and
+    kept as they were when the result needs constants.
+    """
+    changed = False
+
+    def visit(value):
+        nonlocal changed
+        if isinstance(value, core.ClosedJaxpr):
+            new = transform(value)
+            if new is not value:
+                changed = True
+                return new
+            return value
+        if isinstance(value, core.Jaxpr):
+            new = transform(core.ClosedJaxpr(value, ()))
+            if new.jaxpr is not value and not new.consts:
+                changed = True
+                return new.jaxpr
+            return value
+        if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+            return tuple(visit(v) for v in value)
+        return value
+
+    params = {key: visit(value) for key, value in eqn.params.items()}
+    return params if changed else None
+
+
+def rewrite_nested(closed: core.ClosedJaxpr, level: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> core.ClosedJaxpr:
+    """Apply ``level`` to every sub-jaxpr (innermost first), then to ``closed`` itself.
+
+    ``level`` returns its argument unchanged (the same object) when it has nothing to do.
+    """
+    def rule(eqn, invals):
+        params = map_subjaxprs(eqn, lambda sub: rewrite_nested(sub, level))
+        return None if params is None else bind_equation(eqn, invals, params)
+
+    has_subjaxprs = any(
+        isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) or
+        (isinstance(v, tuple) and any(isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in v))
+        for eqn in closed.jaxpr.eqns for v in eqn.params.values())
+    inner = closed
+    if has_subjaxprs:
+        changed = []
+
+        def tracking_rule(eqn, invals):
+            out = rule(eqn, invals)
+            if out is not None:
+                changed.append(eqn)
+            return out
+        candidate = rewrite(closed, eqn_rule=tracking_rule)
+        inner = candidate if changed else closed
+    return level(inner)

@@ -1,0 +1,115 @@
+"""What the passes did: rewrites and skips, each tied to the user's source line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jax._src import source_info_util
+
+
+def source_line(eqn) -> str:
+    """``file.py:LINE (function)`` of the user code that produced ``eqn``, or ``<unknown>``."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+
+
+@dataclasses.dataclass
+class Rewrite:
+    """One change a pass made: ``summary`` for people, ``details`` for programs."""
+
+    pass_name: str
+    kind: str
+    location: str
+    summary: str
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"[{self.pass_name}] {self.location}: {self.summary}"
+
+
+@dataclasses.dataclass
+class Skip:
+    """Something a pass looked at and left alone, with the reason (unknown primitive, unsafe op...)."""
+
+    pass_name: str
+    location: str
+    primitive: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"[{self.pass_name}] {self.location}: left {self.primitive} alone: {self.reason}"
+
+
+@dataclasses.dataclass
+class PassReport:
+    """Everything one pass did to one jaxpr."""
+
+    name: str
+    rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
+    skipped: list[Skip] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    def rewrite(self, kind: str, eqn_or_location, summary: str, **details) -> Rewrite:
+        """Record a rewrite anchored at an equation (or a location string)."""
+        location = eqn_or_location if isinstance(eqn_or_location, str) else source_line(eqn_or_location)
+        entry = Rewrite(self.name, kind, location, summary, details)
+        self.rewrites.append(entry)
+        return entry
+
+    def skip(self, eqn_or_location, primitive: str, reason: str) -> Skip:
+        """Record something left alone and why."""
+        location = eqn_or_location if isinstance(eqn_or_location, str) else source_line(eqn_or_location)
+        entry = Skip(self.name, location, primitive, reason)
+        self.skipped.append(entry)
+        return entry
+
+
+@dataclasses.dataclass
+class PipelineReport:
+    """The reports of every pass run on one jaxpr, in order."""
+
+    label: str
+    config_line: str
+    passes: list[PassReport] = dataclasses.field(default_factory=list)
+    equations_before: int = 0
+    equations_after: int = 0
+    largest_before: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
+    largest_after: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def rewrites(self) -> list[Rewrite]:
+        return [r for p in self.passes for r in p.rewrites]
+
+    @property
+    def skipped(self) -> list[Skip]:
+        return [s for p in self.passes for s in p.skipped]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view."""
+        return {
+            "label": self.label,
+            "config": self.config_line,
+            "equations_before": self.equations_before,
+            "equations_after": self.equations_after,
+            "passes": [dataclasses.asdict(p) for p in self.passes],
+            "largest_before": self.largest_before,
+            "largest_after": self.largest_after,
+        }
+
+    def __str__(self) -> str:
+        from hlopass.sizes import format_size
+        lines = [f"hlopass report for {self.label}", f"  {self.config_line}",
+                 f"  equations: {self.equations_before} -> {self.equations_after}"]
+        for p in self.passes:
+            lines.append(f"  pass {p.name}: {len(p.rewrites)} rewrite(s), {len(p.skipped)} skipped, {p.seconds * 1e3:.1f} ms")
+            lines.extend(f"    - {r.location}: {r.summary}" for r in p.rewrites)
+            lines.extend(f"    ~ {s.location}: left {s.primitive} alone: {s.reason}" for s in p.skipped)
+        for title, rows in (("largest tensors before", self.largest_before), ("largest tensors after", self.largest_after)):
+            if rows:
+                lines.append(f"  {title}:")
+                lines.extend(f"    {format_size(n):>10}  {ty}  {loc}" for ty, n, loc in rows)
+        return "\n".join(lines)
