@@ -7,4 +7,8 @@ order they run in when the user configures nothing.
 BUILTIN: dict[str, str] = {
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = tuple(BUILTIN)
+#: Rewrites that change the maths come first (they remove large tensors
+#: outright), reordering next, splitting last (it handles what remains).
+_ORDER = ("hvp", "algebraic", "matrix_chain", "split")
+DEFAULT_PIPELINE: tuple[str, ...] = tuple(name for name in _ORDER if name in BUILTIN) + tuple(
+    name for name in BUILTIN if name not in _ORDER)
