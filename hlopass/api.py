@@ -211,4 +211,8 @@ def _dump_on_compile(function: HlopassFunction, config, args, kwargs, lowered, c
     from hlopass.dump import dump_explanation
     from hlopass.explain import explain
     explanation = explain(function, *args, _config=config, **kwargs)
-    dump_explanation(explanation, config.dump_to)
+    folder = dump_explanation(explanation, config.dump_to)
+    picture_format = os.environ.get("HLOPASS_DUMP_FORMAT", "text").strip().lower()
+    if picture_format in ("svg", "png"):
+        from hlopass.draw import draw_explanation
+        draw_explanation(explanation, folder, picture_format)
