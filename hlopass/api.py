@@ -98,13 +98,14 @@ class HlopassFunction:
 
     def _checked(self, config: config_mod.Config) -> CheckedJit:
         if config not in self._per_config:
-            jitted = jax.jit(self._staged(config), **self._jit_kwargs)
+            staged = self._staged(config)
+            jitted = jax.jit(staged, **self._jit_kwargs)
             on_first_compile = None
             if config.dump_to:
                 on_first_compile = functools.partial(_dump_on_compile, self, config)
             self._per_config[config] = CheckedJit(
                 jitted, config, self.label, _as_tuple(self._jit_kwargs.get("static_argnums", ())),
-                _as_tuple(self._jit_kwargs.get("static_argnames", ())), on_first_compile)
+                _as_tuple(self._jit_kwargs.get("static_argnames", ())), on_first_compile, unjitted=staged)
         return self._per_config[config]
 
     # -- jax.jit's interface -------------------------------------------------------------

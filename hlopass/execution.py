@@ -26,12 +26,16 @@ class CheckedJit:
 
     The check lowers and compiles ahead of time (``lower().compile()``), which
     also fills jax.jit's caches, so the call itself then takes jax.jit's usual
-    fast path. Calls under a transformation (tracer arguments) skip the check:
-    the enclosing computation is checked where it is compiled.
+    fast path. Calls under a transformation (tracer arguments) call
+    ``unjitted`` (if given) so that the ``hlopass_call`` it binds meets the
+    transformation directly: under eager ``jax.grad`` its primal and backward
+    parts then run through the checked primitive implementation.
     """
 
-    def __init__(self, jitted, config, label: str, static_argnums=(), static_argnames=(), on_first_compile=None):
+    def __init__(self, jitted, config, label: str, static_argnums=(), static_argnames=(), on_first_compile=None,
+                 unjitted=None):
         self.jitted = jitted
+        self.unjitted = unjitted
         self.config = config
         self.label = label
         self.static_argnums = tuple(static_argnums)
@@ -50,7 +54,7 @@ class CheckedJit:
     def __call__(self, *args, **kwargs):
         leaves = jax.tree_util.tree_leaves((args, kwargs))
         if any(isinstance(leaf, core.Tracer) for leaf in leaves):
-            return self.jitted(*args, **kwargs)
+            return (self.unjitted or self.jitted)(*args, **kwargs)
         try:
             key = self.signature(args, kwargs)
             hash(key)
