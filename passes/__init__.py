@@ -5,6 +5,7 @@ order they run in when the user configures nothing.
 """
 
 BUILTIN: dict[str, str] = {
+    "algebraic": "passes.algebraic:AlgebraicPass",
 }
 
 #: Rewrites that change the maths come first (they remove large tensors
