@@ -6,6 +6,7 @@ order they run in when the user configures nothing.
 
 BUILTIN: dict[str, str] = {
     "algebraic": "passes.algebraic:AlgebraicPass",
+    "matrix_chain": "passes.matrix_chain:MatrixChainPass",
 }
 
 #: Rewrites that change the maths come first (they remove large tensors

@@ -1,0 +1,462 @@
+"""Contraction networks: chains of ``dot_general`` s as einsum-like descriptions.
+
+A :class:`Network` is a list of operands, each with one index label per axis,
+an output label tuple and the size of every label: ``A @ B @ v`` is
+``ij,jk,k->i``. A sum over an axis is a contraction with a ones vector, so
+``sum(A @ B, axis=1)`` is ``ij,jk,k->i`` with a ones operand for ``k``.
+
+- :func:`extract_networks` finds, in one jaxpr level, maximal trees of
+  ``dot_general``, ``transpose``, ``reduce_sum`` and widening
+  ``convert_element_type`` equations whose intermediate results are used once
+  (an intermediate used anywhere else is a boundary: it becomes an operand).
+- :func:`optimal_path` asks opt_einsum's dynamic programming optimiser for the
+  order with the fewest multiply-adds, optionally with every intermediate
+  under a memory limit.
+- :func:`path_cost` counts the multiply-adds and the largest intermediate of
+  any order; :func:`contract` emits an order with ``lax.dot_general``.
+- :func:`contract_optimally` does all of it for an einsum string, for passes
+  that build a network from a pattern of their own.
+
+Multiply-adds of one pairwise step are the product of the sizes of every
+label of the two operands (opt_einsum's ``dp`` "flops" measure), so the cost
+of ``(n x m) @ (m x p)`` is ``n*m*p``; ``FLOPs = 2 * multiply-adds``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import opt_einsum
+from jax._src import core
+
+from hlopass.jaxpr_utils import aval_nbytes, aval_str
+
+Label = str
+Path = list[tuple[int, ...]]
+
+#: Equations a chain may pass through (its interior nodes); the last three only
+#: when they add or drop axes of size 1 (``A[None] @ B``, a squeezed batch of one).
+LINK_PRIMITIVES = ("dot_general", "transpose", "reduce_sum", "convert_element_type",
+                   "squeeze", "broadcast_in_dim", "reshape")
+UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
+#: The exact search is exponential in the worst case (batch labels shared by
+#: every operand); longer chains are left alone.
+MAX_OPERANDS = 16
+
+
+@dataclasses.dataclass
+class Operand:
+    """One operand of a network: a jaxpr atom (``None`` for a ones vector) and its labels."""
+
+    atom: Any
+    labels: tuple[Label, ...]
+    dtype: np.dtype
+
+    @property
+    def is_ones(self) -> bool:
+        return self.atom is None
+
+
+@dataclasses.dataclass
+class Network:
+    """An einsum-like contraction: ``operands`` contracted to ``output``.
+
+    Built by :func:`extract_networks` (then ``eqns``/``root`` name the jaxpr
+    equations it replaces and ``original_*`` describe the order as written)
+    or by :func:`network_from_subscripts`.
+    """
+
+    operands: list[Operand]
+    output: tuple[Label, ...]
+    sizes: dict[Label, int]
+    dtype: np.dtype
+    precision: Any = None
+    eqns: list[int] = dataclasses.field(default_factory=list)
+    root: int | None = None
+    original_multiply_adds: int = 0
+    original_peak_bytes: int = 0
+    original_expression: str = ""
+
+    @property
+    def atoms(self) -> list[Any]:
+        """The jaxpr atoms read, one per non-ones operand, in order."""
+        return [op.atom for op in self.operands if not op.is_ones]
+
+    @property
+    def subscripts(self) -> str:
+        """The einsum string, e.g. ``ab,bc,c->a``."""
+        return ",".join("".join(op.labels) for op in self.operands) + "->" + "".join(self.output)
+
+    def size(self, labels) -> int:
+        return math.prod(self.sizes[label] for label in labels)
+
+    def describe_operand(self, k: int) -> str:
+        op = self.operands[k]
+        if op.is_ones:
+            return f"ones[{self.sizes[op.labels[0]]}]"
+        return aval_str(op.atom.aval)
+
+
+# -- extraction from jaxprs ------------------------------------------------------------------
+
+def is_link(eqn: core.JaxprEqn) -> bool:
+    """Whether ``eqn`` may sit inside a chain: a floating (or complex) contraction, transpose,
+    sum, or a conversion that loses nothing."""
+    import jax.numpy as jnp
+
+    name = eqn.primitive.name
+    if name not in LINK_PRIMITIVES or len(eqn.outvars) != 1:
+        return False
+    out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)
+    if out_dtype is None or not jnp.issubdtype(out_dtype, jnp.inexact):
+        return False
+    if eqn.params.get("out_sharding") is not None or eqn.params.get("sharding") is not None:
+        return False
+    if name == "convert_element_type":
+        in_dtype = eqn.invars[0].aval.dtype
+        return jnp.issubdtype(in_dtype, jnp.inexact) and jnp.promote_types(in_dtype, out_dtype) == out_dtype
+    if name == "dot_general":
+        return all(jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars)
+    if name in UNIT_AXIS_PRIMITIVES:
+        return _unit_axis_map(eqn) is not None
+    return True
+
+
+def _unit_axis_map(eqn) -> list[int | None] | None:
+    """For an equation that only adds or drops axes of size 1: for each output axis, the
+    operand axis it comes from (``None`` for a new axis of size 1); otherwise ``None``."""
+    in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if eqn.primitive.name == "broadcast_in_dim":
+        dims = eqn.params["broadcast_dimensions"]
+        if any(in_shape[a] != out_shape[d] for a, d in enumerate(dims)) or math.prod(out_shape) != math.prod(in_shape):
+            return None
+        source = {d: a for a, d in enumerate(dims)}
+        return [source.get(d) for d in range(len(out_shape))]
+    if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
+        return None
+    in_axes = [a for a, d in enumerate(in_shape) if d != 1]
+    out_axes = [a for a, d in enumerate(out_shape) if d != 1]
+    if [in_shape[a] for a in in_axes] != [out_shape[a] for a in out_axes]:
+        return None
+    source = dict(zip(out_axes, in_axes))
+    return [source.get(d) for d in range(len(out_shape))]
+
+
+def extract_networks(graph) -> list[Network]:
+    """Every maximal chain in a :class:`~hlopass.graph.DataflowGraph` with at least one ``dot_general``.
+
+    An equation's result joins its consumer's chain only when it is read
+    exactly once, by a link, and is not an output of the jaxpr; otherwise it
+    is an operand (a boundary), so rewriting a chain never duplicates work or
+    changes what other users see.
+    """
+    jaxpr = graph.jaxpr
+    absorbed = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if not is_link(eqn):
+            continue
+        for atom in eqn.invars:
+            if _joins_consumer(graph, atom, i):
+                absorbed[atom] = graph.producer[atom]
+    networks = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if is_link(eqn) and eqn.outvars[0] not in absorbed:
+            network = _NetworkBuilder(jaxpr, absorbed).build(i)
+            if network is not None:
+                networks.append(network)
+    return networks
+
+
+def _joins_consumer(graph, atom, consumer: int) -> bool:
+    if not isinstance(atom, core.Var) or atom not in graph.producer:
+        return False
+    producer = graph.eqn(graph.producer[atom])
+    return is_link(producer) and graph.uses(atom) == [consumer] and not graph.is_output(atom)
+
+
+class _NetworkBuilder:
+    """Walks one chain from its root, giving every axis a label (top-down)."""
+
+    def __init__(self, jaxpr: core.Jaxpr, absorbed: dict):
+        self.jaxpr = jaxpr
+        self.absorbed = absorbed
+        self.labels = (opt_einsum.get_symbol(k) for k in itertools.count())
+        self.operands: list[Operand] = []
+        self.sizes: dict[Label, int] = {}
+        self.eqns: list[int] = []
+        self.multiply_adds = 0
+        self.peak_bytes = 0
+        self.precisions: set = set()
+        self.dots = 0
+
+    def fresh(self, n: int) -> list[Label]:
+        return [next(self.labels) for _ in range(n)]
+
+    def build(self, root: int) -> Network | None:
+        out = self.jaxpr.eqns[root].outvars[0]
+        output = tuple(self.fresh(len(out.aval.shape)))
+        self.sizes.update(zip(output, out.aval.shape))
+        expression = self.visit_eqn(root, output)
+        if self.dots == 0 or len(self.precisions) > 1:
+            return None
+        return Network(
+            operands=self.operands, output=output, sizes=self.sizes, dtype=np.dtype(out.aval.dtype),
+            precision=next(iter(self.precisions)), eqns=sorted(self.eqns), root=root,
+            original_multiply_adds=self.multiply_adds, original_peak_bytes=self.peak_bytes,
+            original_expression=expression)
+
+    def visit(self, atom, labels: Sequence[Label]) -> str:
+        """Describe ``atom`` (with ``labels`` on its axes); returns the expression as written."""
+        if atom in self.absorbed:
+            self.peak_bytes = max(self.peak_bytes, aval_nbytes(atom.aval))
+            return self.visit_eqn(self.absorbed[atom], labels)
+        self.operands.append(Operand(atom, tuple(labels), np.dtype(atom.aval.dtype)))
+        return aval_str(atom.aval)
+
+    def visit_eqn(self, index: int, labels: Sequence[Label]) -> str:
+        eqn = self.jaxpr.eqns[index]
+        self.eqns.append(index)
+        name = eqn.primitive.name
+        if name == "dot_general":
+            return self.visit_dot(eqn, labels)
+        if name == "transpose":
+            perm = eqn.params["permutation"]
+            operand_labels = [None] * len(perm)
+            for out_axis, in_axis in enumerate(perm):
+                operand_labels[in_axis] = labels[out_axis]
+            return self.visit(eqn.invars[0], operand_labels) + ".T"
+        if name == "reduce_sum":
+            return self.visit_sum(eqn, labels)
+        if name in UNIT_AXIS_PRIMITIVES:
+            return self.visit_unit_axes(eqn, labels)
+        return self.visit(eqn.invars[0], labels)  # a widening convert_element_type
+
+    def visit_unit_axes(self, eqn, labels: Sequence[Label]) -> str:
+        """New axes of size 1 keep their labels only in the output; dropped ones get fresh
+        labels that appear nowhere else (so the emitter squeezes them)."""
+        operand = eqn.invars[0]
+        operand_labels = self.fresh(len(operand.aval.shape))
+        for out_axis, in_axis in enumerate(_unit_axis_map(eqn)):
+            if in_axis is not None:
+                operand_labels[in_axis] = labels[out_axis]
+        self.sizes.update((label, 1) for label in operand_labels if label not in self.sizes)
+        return self.visit(operand, operand_labels)
+
+    def visit_dot(self, eqn, labels: Sequence[Label]) -> str:
+        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars
+        contracted = self.fresh(len(lhs_contract))
+        n_batch = len(lhs_batch)
+        n_lhs_free = len(lhs.aval.shape) - len(lhs_contract) - n_batch
+        batch, lhs_free, rhs_free = labels[:n_batch], labels[n_batch:n_batch + n_lhs_free], labels[n_batch + n_lhs_free:]
+        lhs_labels = _place(len(lhs.aval.shape), zip(lhs_batch, batch), zip(lhs_contract, contracted), lhs_free)
+        rhs_labels = _place(len(rhs.aval.shape), zip(rhs_batch, batch), zip(rhs_contract, contracted), rhs_free)
+        self.sizes.update(zip(contracted, (lhs.aval.shape[a] for a in lhs_contract)))
+        self.multiply_adds += math.prod(self.sizes[label] for label in set(lhs_labels) | set(rhs_labels))
+        self.precisions.add(eqn.params.get("precision"))
+        self.dots += 1
+        return f"({self.visit(lhs, lhs_labels)} @ {self.visit(rhs, rhs_labels)})"
+
+    def visit_sum(self, eqn, labels: Sequence[Label]) -> str:
+        operand = eqn.invars[0]
+        axes = sorted(eqn.params["axes"])
+        summed = self.fresh(len(axes))
+        operand_labels = _place(len(operand.aval.shape), (), zip(axes, summed), labels)
+        self.sizes.update(zip(summed, (operand.aval.shape[a] for a in axes)))
+        self.multiply_adds += math.prod(operand.aval.shape)
+        dtype = np.dtype(operand.aval.dtype)
+        self.operands.extend(Operand(None, (label,), dtype) for label in summed)
+        return f"sum({self.visit(operand, operand_labels)}, axes={tuple(axes)})"
+
+
+def _place(ndim: int, batch, contracted, free) -> list[Label]:
+    """Labels of an operand: ``batch``/``contracted`` are (axis, label) pairs, ``free`` fills the rest in order."""
+    labels: list[Label | None] = [None] * ndim
+    for axis, label in itertools.chain(batch, contracted):
+        labels[axis] = label
+    rest = iter(free)
+    return [label if label is not None else next(rest) for label in labels]
+
+
+# -- choosing and costing orders -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PathCost:
+    """Multiply-adds of an order and its largest intermediate (the final result excluded)."""
+
+    multiply_adds: int
+    peak_elements: int
+
+
+def path_cost(network: Network, path: Path) -> PathCost:
+    """Cost of contracting ``network`` in the order ``path`` (opt_einsum's linear path format),
+    counted on exactly the steps :func:`contract` emits."""
+    counter = _CostCounter(network)
+    _execute(network, path, lambda k: (None, network.operands[k].labels), counter.sum_out, counter.dot)
+    return PathCost(counter.multiply_adds, max(counter.produced[:-1], default=0))
+
+
+class _CostCounter:
+    """A symbolic executor for :func:`_execute`: counts instead of computing."""
+
+    def __init__(self, network: Network):
+        self.network = network
+        self.multiply_adds = 0
+        self.produced: list[int] = []
+
+    def sum_out(self, tensor, keep):
+        _, labels = tensor
+        kept = tuple(label for label in labels if label in keep)
+        if kept == labels:
+            return tensor
+        if self.network.size(labels) != self.network.size(kept):  # not just dropping axes of size 1
+            self.multiply_adds += self.network.size(labels)
+            self.produced.append(self.network.size(kept))
+        return None, kept
+
+    def dot(self, x, y, keep):
+        x, y = self.sum_out(x, keep | set(y[1])), self.sum_out(y, keep | set(x[1]))
+        touched = set(x[1]) | set(y[1])
+        self.multiply_adds += self.network.size(touched)
+        labels = _dot_labels(x[1], y[1], keep)
+        self.produced.append(self.network.size(labels))
+        return None, labels
+
+
+def _dot_labels(xl, yl, keep) -> tuple[Label, ...]:
+    """Labels of a pairwise step's result, in ``dot_general``'s order: batch, lhs free, rhs free."""
+    shared = [label for label in xl if label in yl]
+    batch = tuple(label for label in shared if label in keep)
+    return batch + tuple(label for label in xl if label not in yl) + tuple(label for label in yl if label not in xl)
+
+
+def _execute(network: Network, path: Path, leaf, sum_out, dot):
+    """Run ``path``: ``leaf(k)`` gives operand k as (payload, labels); ``dot(x, y, keep)`` contracts
+    two, keeping the labels in ``keep``; ``sum_out(x, keep)`` sums the other labels away."""
+    tensors = [leaf(k) for k in range(len(network.operands))]
+    for step in path:
+        picked = [tensors[k] for k in step]
+        tensors = [t for k, t in enumerate(tensors) if k not in step]
+        keep = set(network.output).union(*(labels for _, labels in tensors))
+        current = picked[0]
+        for j, other in enumerate(picked[1:]):
+            current = dot(current, other, keep.union(*(labels for _, labels in picked[j + 2:])))
+        if len(picked) == 1:
+            current = sum_out(current, keep)
+        tensors.append(current)
+    return sum_out(tensors[0], set(network.output))
+
+
+def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
+    """The order with the fewest multiply-adds (opt_einsum ``dp``), every intermediate within
+    ``memory_limit`` elements if given; raises ``RuntimeError`` when no order fits.
+
+    Labels carried by every operand and by the output (pure batch dimensions)
+    scale every step alike; they are left out of the search, which keeps it a
+    chain search instead of one over all subsets.
+    """
+    inputs = [set(op.labels) for op in network.operands]
+    if len(inputs) == 1:
+        return [(0,)]
+    output = set(network.output).intersection(set().union(*inputs))
+    batch = output.intersection(*inputs)
+    sizes = {label: size for label, size in network.sizes.items() if label not in batch}
+    if memory_limit is not None:
+        memory_limit = max(memory_limit // max(network.size(batch), 1), network.size(output - batch))
+    optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True)
+    path = optimizer([i - batch for i in inputs], output - batch, sizes, memory_limit)
+    return [tuple(step) for step in path]
+
+
+def as_written_path(n_operands: int) -> Path:
+    """Left-to-right order (for tests and comparisons)."""
+    return [(0, 1)] * (n_operands - 1) if n_operands > 1 else [(0,)]
+
+
+def describe_path(network: Network, path: Path) -> str:
+    """The order as a parenthesised expression of operand types."""
+    exprs = [network.describe_operand(k) for k in range(len(network.operands))]
+    for step in path:
+        picked = [exprs[k] for k in step]
+        exprs = [e for k, e in enumerate(exprs) if k not in step]
+        exprs.append(picked[0] if len(picked) == 1 else "(" + " @ ".join(picked) + ")")
+    return exprs[-1]
+
+
+# -- emitting an order -----------------------------------------------------------------------
+
+def contract(network: Network, path: Path, values: Sequence[Any]):
+    """Evaluate ``network`` in the order ``path`` with ``lax.dot_general`` (traceable).
+
+    ``values`` are the non-ones operands' values in order. Operands of
+    different dtypes are contracted as ``jnp.matmul`` would (the promoted
+    type), accumulating in at least the network's result type, which is also
+    the type of the result.
+    """
+    import jax.numpy as jnp
+    from jax import lax
+
+    given = iter(values)
+    leaves = []
+    for op in network.operands:
+        value = jnp.ones((network.sizes[op.labels[0]],), op.dtype) if op.is_ones else next(given)
+        leaves.append((value, op.labels))
+
+    def sum_out(tensor, keep):
+        value, labels = tensor
+        axes = tuple(a for a, label in enumerate(labels) if label not in keep)
+        if not axes:
+            return tensor
+        reduce = lax.squeeze if all(value.shape[a] == 1 for a in axes) else lax.reduce_sum
+        return reduce(value, axes), tuple(label for label in labels if label in keep)
+
+    def dot(x, y, keep):
+        (xv, xl), (yv, yl) = sum_out(x, keep | set(y[1])), sum_out(y, keep | set(x[1]))
+        labels = _dot_labels(xl, yl, keep)
+        batch = [label for label in labels if label in xl and label in yl]
+        contracted = [label for label in xl if label in yl and label not in keep]
+        dims = (([xl.index(c) for c in contracted], [yl.index(c) for c in contracted]),
+                ([xl.index(b) for b in batch], [yl.index(b) for b in batch]))
+        dtype = jnp.promote_types(jnp.promote_types(xv.dtype, yv.dtype), network.dtype)
+        return lax.dot_general(xv, yv, dims, precision=network.precision, preferred_element_type=dtype), labels
+
+    value, labels = _execute(network, path, leaves.__getitem__, sum_out, dot)
+    present = [label for label in network.output if label in labels]
+    value = lax.transpose(value, tuple(labels.index(label) for label in present))
+    new_axes = tuple(a for a, label in enumerate(network.output) if label not in labels)
+    if new_axes:  # axes of size 1 that no operand has
+        value = lax.expand_dims(value, new_axes)
+    return value.astype(network.dtype) if value.dtype != network.dtype else value
+
+
+# -- einsum-string front end -----------------------------------------------------------------
+
+def network_from_subscripts(subscripts: str, *shapes_and_dtypes) -> Network:
+    """A network from an einsum string and ``(shape, dtype)`` pairs (operand atoms left ``None``)."""
+    import jax.numpy as jnp
+
+    inputs, output = subscripts.replace(" ", "").split("->")
+    operands, sizes = [], {}
+    for labels, (shape, dtype) in zip(inputs.split(","), shapes_and_dtypes):
+        operands.append(Operand(None, tuple(labels), np.dtype(dtype)))
+        sizes.update(zip(labels, shape))
+    dtype = functools.reduce(jnp.promote_types, (d for _, d in shapes_and_dtypes))
+    return Network(operands=operands, output=tuple(output), sizes=sizes, dtype=dtype)
+
+
+def contract_optimally(subscripts: str, *arrays, memory_limit: int | None = None):
+    """``jnp.einsum(subscripts, *arrays)`` in the order with the fewest multiply-adds
+    (every intermediate within ``memory_limit`` elements when possible)."""
+    network = network_from_subscripts(subscripts, *((a.shape, a.dtype) for a in arrays))
+    for op in network.operands:
+        op.atom = object()  # mark as given: every operand is a value here
+    try:
+        path = optimal_path(network, memory_limit)
+    except RuntimeError:
+        path = optimal_path(network)
+    return contract(network, path, arrays)
