@@ -11,6 +11,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from hlopass import config as config_mod
+from hlopass import trace_hooks
 from hlopass.execution import CheckedJit
 from hlopass.jaxpr_utils import trace_flat
 from hlopass.pipeline import run_pipeline
@@ -83,7 +84,9 @@ class HlopassFunction:
                 values = iter(dynamic_values)
                 full = [next(values) if d else leaf for leaf, d in zip(leaves, dynamic)]
                 call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-                out_leaves, tree = jax.tree_util.tree_flatten(fun(*call_args, **call_kwargs))
+                with trace_hooks.tracing(config):
+                    result = fun(*call_args, **call_kwargs)
+                out_leaves, tree = jax.tree_util.tree_flatten(result)
                 out_tree.append(tree)
                 return out_leaves
 

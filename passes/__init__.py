@@ -5,6 +5,7 @@ order they run in when the user configures nothing.
 """
 
 BUILTIN: dict[str, str] = {
+    "hvp": "passes.hvp:HvpPass",
     "algebraic": "passes.algebraic:AlgebraicPass",
     "matrix_chain": "passes.matrix_chain:MatrixChainPass",
 }
