@@ -7,6 +7,7 @@ order they run in when the user configures nothing.
 BUILTIN: dict[str, str] = {
     "hvp": "passes.hvp:HvpPass",
     "algebraic": "passes.algebraic:AlgebraicPass",
+    "split": "passes.split:SplitPass",
     "matrix_chain": "passes.matrix_chain:MatrixChainPass",
 }
 
