@@ -4,7 +4,8 @@
 
 * ``graph_before.FMT`` and ``graph_after.FMT`` (graphviz): one node per
   equation, rewritten regions filled orange, tensors at or above the size
-  threshold drawn as thick red edges labelled with their size, loops and
+  threshold drawn as thick red edges labelled with their size (smaller ones
+  from a sixteenth of it labelled with their size too), loops and
   other sub-jaxprs (``while``, ``scan``, ``cond``) as clusters, long chains
   of elementwise operations collapsed into one node, and small equations
   hidden when the graph is large (the size filter);
@@ -49,6 +50,8 @@ COLLAPSE_MIN = 3
 MAX_NODES = 80
 #: Sub-jaxprs are drawn this deep; deeper ones are summarised in their cluster's title.
 MAX_DEPTH = 3
+#: Equations with outputs this small (scalar index arithmetic of loops) are hidden by default.
+SCALAR_BYTES = 64
 
 REWRITTEN_FILL = "#ffb347"
 LOOP_FILL = "#e8f0ff"
@@ -178,12 +181,13 @@ def _abbreviate(names: list[str], keep: int = 6) -> str:
 
 
 def auto_min_bytes(level: Level, max_nodes: int = MAX_NODES) -> int:
-    """The smallest power-of-ten byte size that leaves at most ``max_nodes`` visible nodes."""
+    """The size filter: the smallest power-of-ten byte size (at least :data:`SCALAR_BYTES`, which
+    hides scalar loop bookkeeping) that leaves at most ``max_nodes`` visible nodes."""
     sizes = [n.nbytes for n in _all_nodes(level) if n.kind in ("eqn", "chain")]
     total = sum(1 for _ in _all_nodes(level))
-    threshold = 0
+    threshold = SCALAR_BYTES
     while total - sum(1 for s in sizes if s < threshold) > max_nodes and threshold < 10**13:
-        threshold = max(threshold * 10, 1000)
+        threshold = 1000 if threshold < 1000 else threshold * 10
     return threshold
 
 
@@ -197,7 +201,10 @@ def _all_nodes(level: Level) -> Iterable[Node]:
 def filter_small(level: Level, min_bytes: int) -> Level:
     """Hide equations whose outputs are all under ``min_bytes``, keeping reachability through them."""
     import networkx as nx
-    keep = lambda n: n.kind not in ("eqn", "chain") or n.highlighted or n.nbytes >= min_bytes  # noqa: E731
+    def keep(node: Node) -> bool:
+        return (node.kind not in ("eqn", "chain") or node.nbytes >= min_bytes
+                or (node.highlighted and node.nbytes > SCALAR_BYTES))
+
     graph = nx.DiGraph()
     graph.add_nodes_from(level.nodes)
     for (src, dst), data in level.edges.items():
@@ -245,8 +252,9 @@ def _add_level(graph, level: Level, large_bytes: int | None) -> None:
             attrs.update(fillcolor=REWRITTEN_FILL, penwidth="2")
         if node.kind == "cluster":
             with graph.subgraph(name=f"cluster_{key}") as cluster:
-                cluster.attr(label=node.label.split("\n")[0], style="rounded,filled", color="#3366cc",
-                             fillcolor=REWRITTEN_FILL if node.highlighted else LOOP_FILL, fontsize="11")
+                cluster.attr(label=node.label.split("\n")[0], style="rounded,filled", fillcolor=LOOP_FILL,
+                             color=REWRITTEN_FILL if node.highlighted else "#3366cc",
+                             penwidth="3" if node.highlighted else "1", fontsize="11")
                 cluster.node(key, **{**attrs, "shape": "box3d"})
                 for k, sub in enumerate(node.sub):
                     with cluster.subgraph(name=f"cluster_{key}_{k}") as inner:
@@ -258,11 +266,12 @@ def _add_level(graph, level: Level, large_bytes: int | None) -> None:
         graph.node(key, **attrs)
     for (src, dst), (type_text, nbytes) in level.edges.items():
         large = large_bytes is not None and nbytes >= large_bytes
+        sized = large_bytes is not None and nbytes >= large_bytes // 16
         if large:
             graph.edge(src, dst, label=f"{type_text}\n{format_size(nbytes)}", color=LARGE_EDGE, penwidth="3",
                        fontcolor=LARGE_EDGE)
         else:
-            graph.edge(src, dst, label=type_text)
+            graph.edge(src, dst, label=f"{type_text}\n{format_size(nbytes)}" if sized else type_text)
 
 
 def draw_graph(closed, path_stem: str, fmt: str, title: str, rewritten_at: set[str],
@@ -312,7 +321,7 @@ def draw_memory_timeline(before, after, path: str, xla_before=None, xla_after=No
         values = [p.live_bytes for p in line.points] or [line.argument_bytes]
         edges = [k / len(values) for k in range(len(values) + 1)]
         xs = [(k + 0.5) / len(values) for k in range(len(values))]
-        axes.stairs(values, edges, color=color, linewidth=1.8,
+        axes.stairs(values, edges, baseline=None, color=color, linewidth=1.8,
                     label=f"{name}: live bytes, {len(line.points)} equations (peak {format_size(max(values))})")
         peaks.append(max(values))
         peak = line.peak_point

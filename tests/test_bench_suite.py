@@ -66,3 +66,17 @@ def test_tiny_run_writes_results_that_check_out(tmp_path):
     table = (out / "results.md").read_text()
     assert "| workload | plain jax.jit |" in table and "--tiny" in table
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_scaling_tiny_run_fits_time_against_n_squared(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling.py"), "--sizes", "1000,2000",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    ours = [r for r in data["rows"] if r["mode"] == "hlopass"]
+    assert [r["n"] for r in ours] == [1000, 2000] and all(r["status"] == "ok" for r in ours)
+    assert all(r["error_vs_float64"] < 1e-4 for r in ours)
+    assert data["fit"] is not None and data["fit"][0] > 0
+    assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")
+    assert "| n | dense kernel |" in done.stdout

@@ -472,6 +472,12 @@ def plot(rows: list[dict], path: str) -> str | None:
                 values.append(row.get(key) if row.get("status") == "ok" else 0)
             xs = [i + k * width for i in range(len(names))]
             axis.bar(xs, [v or 0 for v in values], width, label=COLUMN_TITLES[column])
+            for x, name in zip(xs, names):
+                row = next((r for r in rows if r["workload"] == name and r["column"] == column), {})
+                if row.get("status") in ("failed", "crashed", "timeout"):
+                    axis.annotate("OOM" if "RESOURCE_EXHAUSTED" in row.get("error", "") else "failed",
+                                  xy=(x, 0), xycoords=("data", "axes fraction"), xytext=(0, 4),
+                                  textcoords="offset points", rotation=90, fontsize=7, ha="center", color="#c0392b")
     for axis, title in zip(axes, ("XLA temp memory (bytes)", "median time (s)")):
         axis.set_yscale("log")
         axis.set_title(title)
