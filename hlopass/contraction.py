@@ -24,12 +24,14 @@ of ``(n x m) @ (m x p)`` is ``n*m*p``; ``FLOPs = 2 * multiply-adds``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import math
 from typing import Any, Sequence
 
+import networkx as nx
 import numpy as np
 import opt_einsum
 from jax._src import core
@@ -47,6 +49,8 @@ UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
 #: The exact search is exponential in the worst case (batch labels shared by
 #: every operand); longer chains are left alone.
 MAX_OPERANDS = 16
+#: Outer products are searched too (all subsets) only in networks this small.
+MAX_OUTER_SEARCH = 10
 
 
 @dataclasses.dataclass
@@ -368,9 +372,45 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
     sizes = {label: size for label, size in network.sizes.items() if label not in batch}
     if memory_limit is not None:
         memory_limit = max(memory_limit // max(network.size(batch), 1), network.size(output - batch))
-    optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True)
-    path = optimizer([i - batch for i in inputs], output - batch, sizes, memory_limit)
+    inputs = [i - batch for i in inputs]
+    # Axes of size 1 dropped by a squeeze can split a chain into pieces that only
+    # outer products join; small networks then search those too.
+    search_outer = len(inputs) <= MAX_OUTER_SEARCH and not _connected(inputs)
+    if search_outer:
+        inputs = _tie_scalars(inputs, output, sizes)
+    optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True, search_outer=search_outer)
+    path = optimizer(inputs, output - batch, sizes, memory_limit)
     return [tuple(step) for step in path]
+
+
+def _connected(inputs: list[set]) -> bool:
+    graph = nx.Graph()
+    graph.add_nodes_from(range(len(inputs)))
+    for label in set().union(*inputs):
+        holders = [k for k, labels in enumerate(inputs) if label in labels]
+        graph.add_edges_from(zip(holders, holders[1:]))
+    return nx.is_connected(graph)
+
+
+def _tie_scalars(inputs: list[set], output: set, sizes: dict) -> list[set]:
+    """Give operands that reduce to scalars a shared label of size 1.
+
+    opt_einsum's ``dp`` sets such operands aside and multiplies them in at the
+    very end, at the cost of the whole result; tied to another operand they
+    take part in the search and get multiplied in where it is cheapest.
+    """
+    counts = collections.Counter(label for labels in inputs for label in labels)
+    scalars = [k for k, labels in enumerate(inputs) if all(counts[l] == 1 and l not in output for l in labels)]
+    others = [k for k in range(len(inputs)) if k not in scalars]
+    partner = (others or scalars)[0]
+    inputs = [set(labels) for labels in inputs]
+    for k in scalars:
+        if k != partner:
+            tie = ("scalar", k)
+            sizes[tie] = 1
+            inputs[k].add(tie)
+            inputs[partner].add(tie)
+    return inputs
 
 
 def as_written_path(n_operands: int) -> Path:
