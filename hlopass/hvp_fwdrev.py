@@ -44,6 +44,25 @@ def _own_derivatives():
         _machinery.depth -= 1
 
 
+def forward_differentiable(eqns) -> bool:
+    """Whether ``jax.jvp`` can differentiate these equations (no ``custom_vjp`` call, at any depth)."""
+    from hlopass.jaxpr_utils import iter_eqns
+    for eqn in eqns:
+        if "custom_vjp" in eqn.primitive.name or "custom_lin" in eqn.primitive.name:
+            return False
+        for sub in iter_eqns(_Holder(eqn)):
+            if "custom_vjp" in sub.primitive.name or "custom_lin" in sub.primitive.name:
+                return False
+    return True
+
+
+class _Holder:
+    """A one-equation stand-in with ``.eqns`` for :func:`hlopass.jaxpr_utils.iter_eqns`."""
+
+    def __init__(self, eqn):
+        self.eqns = [eqn]
+
+
 def _is_differentiable(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
@@ -207,4 +226,4 @@ def _first_order(call_loss, values, wanted, ct_value, ct_aux, has_aux):
     return vjp((ct_value, ct_aux))
 
 
-__all__ = ["fwdrev_grad", "fwdrev_value_and_grad"]
+__all__ = ["forward_differentiable", "fwdrev_grad", "fwdrev_value_and_grad", "in_machinery"]

@@ -38,6 +38,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
+from hlopass.hvp_fwdrev import forward_differentiable
 from hlopass.hvp_trace import RECORDS, SCOPE_PREFIX, Record
 from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
 from hlopass.jaxpr_utils import iter_eqns
@@ -133,6 +134,7 @@ class RegionPlan:
     params: list[int]  # for each gradient, the index of its parameter in ``inputs``
     value: core.Var | None  # the loss value, when the program uses it
     loss: core.Var | None  # the loss value var (used or not), if identified
+    extras: list[core.Var]  # other values of the inner forward pass used outside (aux outputs)
     location: str
 
 
@@ -141,6 +143,8 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
     eqns = [jaxpr.eqns[i] for i in region.eqns]
     if any(eqn.effects for eqn in eqns):
         return "the region has side effects"
+    if not forward_differentiable(eqns):
+        return "the region calls a custom_vjp function, which forward mode cannot differentiate"
     inside = set(region.eqns)
     defined = {v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)}
     inputs: list[core.Var] = []
@@ -160,8 +164,8 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
     losses = [v for v in forward_defined if v not in read_inside and v.aval.shape == () and _float_aval(v.aval)]
     loss = losses[0] if len(losses) == 1 else None
     forward_out = [v for v in forward_defined if v in read_outside]
-    if any(v is not loss for v in forward_out):
-        return "values of the inner forward pass other than the loss are used outside it"
+    value = loss if loss is not None and loss in forward_out else None
+    extras = [v for v in forward_out if v is not value]
     loss_inputs = _inputs_read_by(jaxpr, region.forward, loss, inputs) if loss is not None else inputs
     params = []
     for g in grads:
@@ -174,8 +178,7 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
     if len(set(params)) != len(params):
         return "two gradients match the same input"
     anchor = jaxpr.eqns[region.forward[0]]
-    return RegionPlan(region, inputs, grads, params, forward_out[0] if forward_out else None, loss,
-                      source_line(anchor))
+    return RegionPlan(region, inputs, grads, params, value, loss, extras, source_line(anchor))
 
 
 def _inputs_read_by(jaxpr, forward: list[int], loss, inputs) -> set:
@@ -204,10 +207,15 @@ def _zero(ct) -> bool:
     return isinstance(ct, SymbolicZero) or ct is None
 
 
-def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, params: list[int], num_inputs: int,
-                  has_value: bool) -> Callable:
-    """A custom_vjp function ``(*inputs) -> (*grads[, value])`` with a forward-over-reverse VJP."""
+def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, extras_fn: Callable | None, params: list[int],
+                  num_inputs: int, has_value: bool) -> Callable:
+    """A custom_vjp function ``(*inputs) -> (*grads[, value], *extras)`` with a forward-over-reverse VJP.
+
+    ``extras`` (other values of the inner forward pass the program uses, such
+    as ``has_aux`` outputs) get an ordinary, local VJP through ``extras_fn``.
+    """
     num_grads = len(params)
+    first_extra = num_grads + int(has_value)
 
     @jax.custom_vjp
     def call(*inputs):
@@ -233,7 +241,10 @@ def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, params: list[in
             for k, p in enumerate(params):
                 _add(total, {p: ct_value * outs[k]})
             if others:
-                _add(total, _value_cotangents(region_fn, loss_fn, values, others, ct_value, num_grads))
+                _add(total, _value_cotangents(loss_fn, values, others, ct_value))
+        ct_extras = cts[first_extra:]
+        if extras_fn is not None and not all(_zero(ct) for ct in ct_extras):
+            _add(total, _extras_cotangents(extras_fn, values, perturbed, ct_extras, outs[first_extra:]))
         return tuple(None if (t is None or not perturbed[i]) else t for i, t in enumerate(total))
 
     call.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -284,25 +295,32 @@ def _hessian_products(region_fn, loss_fn, values, params, others, directions, ct
     return result
 
 
-def _value_cotangents(region_fn, loss_fn, values, others, ct_value, num_grads) -> dict:
+def _value_cotangents(loss_fn, values, others, ct_value) -> dict:
     """``ct_value * dL/du`` for the other inputs."""
-    if loss_fn is not None:
-        grads = jax.grad(lambda *o: loss_fn(*_replace(values, others, o)),
-                         argnums=tuple(range(len(others))))(*(values[i] for i in others))
-    else:
-        _, pullback = jax.vjp(lambda *o: region_fn(*_replace(values, others, o))[num_grads],
-                              *(values[i] for i in others))
-        grads = pullback(ct_value / 1)
-        return dict(zip(others, grads))
+    grads = jax.grad(lambda *o: loss_fn(*_replace(values, others, o)),
+                     argnums=tuple(range(len(others))))(*(values[i] for i in others))
     return {i: ct_value * g for i, g in zip(others, grads)}
 
 
+def _extras_cotangents(extras_fn, values, perturbed, ct_extras, extras) -> dict:
+    """The ordinary VJP of the extra forward outputs (recomputed locally)."""
+    wanted = [i for i, p in enumerate(perturbed) if p]
+    if not wanted:
+        return {}
+    cts = tuple(jnp.zeros_like(x) if _zero(ct) else ct for ct, x in zip(ct_extras, extras))
+    _, pullback = jax.vjp(lambda *o: tuple(extras_fn(*_replace(values, wanted, o))),
+                          *(values[i] for i in wanted))
+    return dict(zip(wanted, pullback(cts)))
+
+
 def _replacement(jaxpr: core.Jaxpr, plan: RegionPlan) -> Replacement:
-    outputs = [*plan.grads, *([plan.value] if plan.value is not None else [])]
+    outputs = [*plan.grads, *([plan.value] if plan.value is not None else []), *plan.extras]
     region_eqns = [jaxpr.eqns[i] for i in plan.region.eqns]
     region_fn = _as_function(region_eqns, plan.inputs, outputs)
     loss_fn = _loss_function(jaxpr, plan)
-    call = fwdrev_region(region_fn, loss_fn, plan.params, len(plan.inputs), plan.value is not None)
+    extras_fn = _as_function([jaxpr.eqns[i] for i in plan.region.forward], plan.inputs, plan.extras) \
+        if plan.extras else None
+    call = fwdrev_region(region_fn, loss_fn, extras_fn, plan.params, len(plan.inputs), plan.value is not None)
     scope = f"{SCOPE_PREFIX}r{next(_counter)}"
     RECORDS[scope] = Record(scope, "grad region", plan.location, plan.location)
 

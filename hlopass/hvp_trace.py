@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax._src import api as jax_api
 from jax._src import core
 
-from hlopass.hvp_fwdrev import fwdrev_value_and_grad, in_machinery
+from hlopass.hvp_fwdrev import forward_differentiable, fwdrev_value_and_grad, in_machinery
 
 SCOPE_PREFIX = "hlopass_hvp_"
 
@@ -142,7 +142,7 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
     if not _float_leaves(ans):
         return None
     scope = f"{SCOPE_PREFIX}{next(_counter)}"
-    RECORDS[scope] = Record(scope, "vjp", _describe_function(_user_function(fun)), _call_site())
+    record = Record(scope, "vjp", _describe_function(_user_function(fun)), _call_site())
 
     def seeded(prims, ct):
         value = fun(*prims)
@@ -153,8 +153,12 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
     def pullback(ct):
         # depth 0: the machinery's own derivatives (and the loss, traced once
         # by closure_convert) must not be intercepted again
-        with jax.named_scope(scope), _at_depth(0):
-            _, grads = fwdrev_value_and_grad(seeded, argnums=0)(tuple(primals), ct)
+        with _at_depth(0):
+            if not forward_differentiable(jax.make_jaxpr(seeded)(tuple(primals), ct).jaxpr.eqns):
+                return _originals["vjp"](fun, *primals, has_aux=has_aux)[1](ct)
+            RECORDS[scope] = record
+            with jax.named_scope(scope):
+                _, grads = fwdrev_value_and_grad(seeded, argnums=0)(tuple(primals), ct)
         return tuple(grads)
 
     return (ans, pullback, aux) if has_aux else (ans, pullback)
