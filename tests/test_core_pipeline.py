@@ -149,3 +149,48 @@ def test_sizes_and_counts():
     assert count_equations(closed) > len(closed.jaxpr.eqns)
     assert aval_nbytes(jax.core.ShapedArray((10, 10), jnp.float32)) == 400
     assert aval_nbytes(jax.core.ShapedArray((), jnp.bfloat16)) == 2
+
+
+def square_in_while(x):
+    return jax.lax.while_loop(lambda s: s[0] < 3, lambda s: (s[0] + 1, s[1] ** 2 * 0.5), (0, x))[1]
+
+
+def square_in_cond(x):
+    return jax.lax.cond(x.sum() > 0, lambda v: v ** 2, lambda v: -v, x)
+
+
+@jax.custom_jvp
+def square_custom_jvp(x):
+    return x ** 2
+
+
+square_custom_jvp.defjvp(lambda primals, tangents: (primals[0] ** 2, 2 * primals[0] * tangents[0]))
+
+
+@jax.custom_vjp
+def square_custom_vjp(x):
+    return x ** 2
+
+
+square_custom_vjp.defvjp(lambda x: (x ** 2, x), lambda x, g: (2 * x * g,))
+
+
+def square_in_checkpoint(x):
+    return jax.checkpoint(lambda v: jnp.sin(v ** 2))(x)
+
+
+@pytest.mark.parametrize("fun", [square_in_while, square_in_cond, square_custom_jvp, square_custom_vjp,
+                                 square_in_checkpoint], ids=lambda f: f.__name__)
+def test_passes_reach_inside_sub_jaxprs(fun):
+    x = jnp.linspace(0.1, 1.3, 7)
+    h = hlopass.jit(fun, passes="test_square_to_mul")
+    np.testing.assert_allclose(h(x), jax.jit(fun)(x), rtol=1e-6)
+    traced = h.trace(x)
+    assert any(e.primitive.name == "integer_pow" for e in iter_eqns(traced.original_jaxpr))
+    assert not any(e.primitive.name == "integer_pow" for e in iter_eqns(traced.rewritten_jaxpr))
+    assert traced.report.rewrites
+    if fun is square_in_while:  # JAX cannot reverse-differentiate a while_loop; forward mode it can
+        np.testing.assert_allclose(jax.jvp(h, (x,), (x,))[1], jax.jvp(fun, (x,), (x,))[1], rtol=1e-6)
+    else:
+        np.testing.assert_allclose(jax.grad(lambda v: h(v).sum())(x), jax.grad(lambda v: fun(v).sum())(x),
+                                   rtol=1e-6)
