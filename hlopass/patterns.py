@@ -107,6 +107,16 @@ def constant(value: float) -> Expansion:
     return Expansion((Monomial(float(value)),) if value != 0 else (), 0, value >= 0)
 
 
+def constant_value(a: Expansion) -> float | None:
+    """The value of a constant expansion (``sub 2.0 1.0``, say), else ``None``."""
+    if not a.monomials:
+        return 0.0
+    if len(a.monomials) == 1 and not a.monomials[0].factors and not a.monomials[0].deltas \
+            and not a.monomials[0].summed:
+        return a.monomials[0].coeff
+    return None
+
+
 def _merge_factors(factors) -> tuple[Factor, ...]:
     powers: dict[tuple, int] = {}
     for f in factors:
@@ -430,11 +440,10 @@ def _square(ex, eqn, scope, _k, labels):
 
 @rule("pow")
 def _pow(ex, eqn, scope, _k, labels):
-    exponent, _ = scope.resolve(eqn.invars[1])
-    value = np.asarray(exponent.val) if isinstance(exponent, core.Literal) else None
-    if value is None or value.ndim or float(value) != round(float(value)) or abs(float(value)) > 4:
+    value = constant_value(ex.operand(eqn, scope, 1, labels))
+    if value is None or value != round(value) or abs(value) > 4:
         raise NoMatch("pow with an exponent that is not a small integer constant")
-    return _power(ex, eqn, scope, labels, int(round(float(value))))
+    return _power(ex, eqn, scope, labels, int(round(value)))
 
 
 # -- sums and contractions --------------------------------------------------------------------
@@ -633,11 +642,27 @@ def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out
     if operands:
         names = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(sorted(used))}
         spec = ",".join("".join(names[lab] for lab in s) for s in subscripts) + "->" + "".join(names[lab] for lab in kept)
-        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize="optimal") * scalar
+        path = contraction_path(spec, [o.shape for o in operands])
+        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize=path) * scalar
     else:
         result = scalar
     positions = [i for i, lab in enumerate(output_labels) if lab is not None and lab in used]
     return lax.broadcast_in_dim(jnp.asarray(result, dtype), out_shape, positions)
+
+
+def contraction_path(spec: str, shapes) -> list:
+    """A pairwise einsum order whose intermediates are no larger than its largest operand or result.
+
+    ``opt_einsum`` s dynamic programme minimises flops; with a memory limit it keeps away from
+    the outer products (n x m x d) that the rewrite exists to avoid.
+    """
+    out = spec.split("->")[1]
+    sizes = {c: int(n) for term, shape in zip(spec.split("->")[0].split(","), shapes) for c, n in zip(term, shape)}
+    limit = max([int(np.prod(s, dtype=np.int64)) for s in shapes] + [int(np.prod([sizes[c] for c in out], dtype=np.int64))])
+    path, _ = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="dp", memory_limit=limit)
+    if any(len(step) > 2 for step in path):
+        path, _ = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="dp")
+    return list(path)
 
 
 def _raise(value, power: int):

@@ -13,8 +13,9 @@ a matrix product whose result is only partly used). It emits one
 * broadcast-multiply-reduce ``(x[:,None,:] * y[None]).sum(-1)`` becomes a
   ``dot_general`` (kind ``contraction``);
 * ``diag(A @ B)``, ``trace(A @ B)`` (kinds ``diagonal_of_product``,
-  ``trace_of_product``) and ``sum(A @ B, axis)`` (``sum_of_product``) skip the
-  full product;
+  ``trace_of_product``) and ``sum(A @ B, axis)`` (``sum_of_product``; left to
+  the matrix-chain pass when that pass is in the pipeline) skip the full
+  product;
 * the derivatives of the above (``Σ_m g·(x − y)``, kind ``expanded_product``).
 
 It does not fire where the maths differs (``abs``, ``max``, a cube, another
@@ -38,6 +39,7 @@ from hlopass.report import source_line
 from hlopass.sizes import format_size
 
 ROOT_PRIMITIVES = ("reduce_sum", "dot_general", "cond")
+MATRIX_CHAIN = "matrix_chain"
 
 
 @dataclasses.dataclass
@@ -62,6 +64,11 @@ class Candidate:
                      tuple(out.shape), out.dtype, clamp_at_zero=self.clamp)]
 
 
+#: Primitives of a plain chain of products and sums (what the matrix-chain pass reorders).
+CHAIN_PRIMITIVES = frozenset({"dot_general", "reduce_sum", "transpose", "convert_element_type", "reshape",
+                              "squeeze", "expand_dims"})
+
+
 def classify(expansion: Expansion, candidate_internal: list[Internal], output_labels: tuple) -> str:
     """Name the rewrite for the report from the shape of the expansion."""
     has_dot = any(i.primitive == "dot_general" for i in candidate_internal)
@@ -70,15 +77,20 @@ def classify(expansion: Expansion, candidate_internal: list[Internal], output_la
         return "trace_of_product" if all(lab is None for lab in output_labels) else "diagonal_of_product"
     if expansion.nonneg and expansion.depth == 2:
         return "squared_distance"
-    if has_dot:
+    if has_dot and all(i.primitive in CHAIN_PRIMITIVES for i in candidate_internal):
         return "sum_of_product"
     if expansion.depth == 0:
         return "contraction"
     return "expanded_product"
 
 
-def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report) -> Candidate | None:
-    """The candidate rooted at equation ``index``, or ``None`` (recording why when it matters)."""
+def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
+                   passes: tuple[str, ...] = ()) -> Candidate | None:
+    """The candidate rooted at equation ``index``, or ``None`` (recording why when it matters).
+
+    ``passes`` is the pipeline: plain sums of matrix products are left to the
+    matrix-chain pass when it runs too.
+    """
     eqn = jaxpr.eqns[index]
     out = eqn.outvars[0]
     if len(eqn.outvars) != 1 or np.dtype(out.aval.dtype).kind != "f":
@@ -109,7 +121,11 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report)
                 f"the expansion would read tensors as large as the {aval_str(removed.var.aval)} it removes")
             report.skip(eqn, eqn.primitive.name, reason)
         return None
-    return Candidate(index, eqn, expander, expansion, labels, removed, classify(expansion, internal, labels))
+    kind = classify(expansion, internal, labels)
+    if kind == "sum_of_product" and MATRIX_CHAIN in passes:
+        report.skip(eqn, eqn.primitive.name, f"a sum of a matrix product: left to the {MATRIX_CHAIN} pass")
+        return None
+    return Candidate(index, eqn, expander, expansion, labels, removed, kind)
 
 
 def _is_large(eqn, threshold) -> bool:
@@ -176,7 +192,7 @@ class AlgebraicPass(Pass):
 
     def run_level(self, closed: core.ClosedJaxpr, config, report) -> core.ClosedJaxpr:
         jaxpr = closed.jaxpr
-        found = [find_candidate(jaxpr, i, config.threshold, report)
+        found = [find_candidate(jaxpr, i, config.threshold, report, tuple(config.passes))
                  for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in ROOT_PRIMITIVES]
         candidates = keep_effective(jaxpr, [c for c in found if c is not None], report)
         if not candidates:
