@@ -85,6 +85,7 @@ class Network:
     original_multiply_adds: int = 0
     original_peak_bytes: int = 0
     original_expression: str = ""
+    shared_eqns: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def atoms(self) -> list[Any]:
@@ -151,13 +152,16 @@ def _unit_axis_map(eqn) -> list[int | None] | None:
     return [source.get(d) for d in range(len(out_shape))]
 
 
-def extract_networks(graph) -> list[Network]:
+def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     """Every maximal chain in a :class:`~hlopass.graph.DataflowGraph` with at least one ``dot_general``.
 
     An equation's result joins its consumer's chain only when it is read
     exactly once, by a link, and is not an output of the jaxpr; otherwise it
     is an operand (a boundary), so rewriting a chain never duplicates work or
-    changes what other users see.
+    changes what other users see. Variables in ``inline`` (see
+    :func:`shared_worth_inlining`) join every chain that reads them instead:
+    each recomputes them in its own order, and their equations are listed in
+    ``Network.shared_eqns`` (the original multiply-adds count them once).
     """
     jaxpr = graph.jaxpr
     absorbed = {}
@@ -165,15 +169,50 @@ def extract_networks(graph) -> list[Network]:
         if not is_link(eqn):
             continue
         for atom in eqn.invars:
-            if _joins_consumer(graph, atom, i):
+            if _joins_consumer(graph, atom, i) or atom in inline:
                 absorbed[atom] = graph.producer[atom]
-    networks = []
+    networks, charged = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
         if is_link(eqn) and eqn.outvars[0] not in absorbed:
-            network = _NetworkBuilder(jaxpr, absorbed).build(i)
+            network = _NetworkBuilder(jaxpr, absorbed, inline, charged).build(i)
             if network is not None:
                 networks.append(network)
     return networks
+
+
+def shareable(graph) -> list:
+    """Results of links used more than once, only by links, and not returned: the boundaries
+    that could instead be recomputed inside each chain that reads them."""
+    found = []
+    for var, i in graph.producer.items():
+        uses = graph.uses(var)
+        if (len(uses) > 1 and is_link(graph.eqn(i)) and not graph.is_output(var)
+                and all(is_link(graph.eqn(j)) for j in uses)):
+            found.append(var)
+    return found
+
+
+def shared_worth_inlining(graph, cost=None, max_candidates: int = 32) -> frozenset:
+    """The shared results to recompute in each chain that reads them, chosen greedily: one is
+    taken when the chains' total optimal multiply-adds (``cost(network)``, by default
+    :func:`optimal_path`'s) drop below those of keeping it a boundary computed once."""
+    cost = cost or _optimal_multiply_adds
+    inline: frozenset = frozenset()
+    candidates = shareable(graph)[:max_candidates]
+    if not candidates:
+        return inline
+    best = sum(map(cost, extract_networks(graph, inline)))
+    for var in candidates:
+        trial = sum(map(cost, extract_networks(graph, inline | {var})))
+        if trial < best:
+            inline, best = inline | {var}, trial
+    return inline
+
+
+def _optimal_multiply_adds(network: Network) -> int:
+    if len(network.operands) > MAX_OPERANDS:
+        return network.original_multiply_adds
+    return path_cost(network, optimal_path(network)).multiply_adds
 
 
 def _joins_consumer(graph, atom, consumer: int) -> bool:
@@ -184,19 +223,33 @@ def _joins_consumer(graph, atom, consumer: int) -> bool:
 
 
 class _NetworkBuilder:
-    """Walks one chain from its root, giving every axis a label (top-down)."""
+    """Walks one chain from its root, giving every axis a label (top-down).
 
-    def __init__(self, jaxpr: core.Jaxpr, absorbed: dict):
+    ``charged`` (shared by the builders of one extraction) holds the equations
+    whose multiply-adds some chain already counted: a shared result
+    recomputed in several chains was computed once as written.
+    """
+
+    def __init__(self, jaxpr: core.Jaxpr, absorbed: dict, inline=frozenset(), charged: set | None = None):
         self.jaxpr = jaxpr
         self.absorbed = absorbed
+        self.inline = inline
+        self.charged = set() if charged is None else charged
         self.labels = (opt_einsum.get_symbol(k) for k in itertools.count())
         self.operands: list[Operand] = []
         self.sizes: dict[Label, int] = {}
         self.eqns: list[int] = []
+        self.shared_eqns: list[int] = []
+        self.shared_depth = 0
         self.multiply_adds = 0
         self.peak_bytes = 0
         self.precisions: set = set()
         self.dots = 0
+
+    def charge(self, index: int, multiply_adds: int) -> None:
+        if index not in self.charged:
+            self.charged.add(index)
+            self.multiply_adds += multiply_adds
 
     def fresh(self, n: int) -> list[Label]:
         return [next(self.labels) for _ in range(n)]
@@ -212,22 +265,26 @@ class _NetworkBuilder:
             operands=self.operands, output=output, sizes=self.sizes, dtype=np.dtype(out.aval.dtype),
             precision=next(iter(self.precisions)), eqns=sorted(self.eqns), root=root,
             original_multiply_adds=self.multiply_adds, original_peak_bytes=self.peak_bytes,
-            original_expression=expression)
+            original_expression=expression, shared_eqns=sorted(set(self.shared_eqns)))
 
     def visit(self, atom, labels: Sequence[Label]) -> str:
         """Describe ``atom`` (with ``labels`` on its axes); returns the expression as written."""
         if atom in self.absorbed:
             self.peak_bytes = max(self.peak_bytes, aval_nbytes(atom.aval))
-            return self.visit_eqn(self.absorbed[atom], labels)
+            shared = atom in self.inline
+            self.shared_depth += shared
+            expression = self.visit_eqn(self.absorbed[atom], labels)
+            self.shared_depth -= shared
+            return expression
         self.operands.append(Operand(atom, tuple(labels), np.dtype(atom.aval.dtype)))
         return aval_str(atom.aval)
 
     def visit_eqn(self, index: int, labels: Sequence[Label]) -> str:
         eqn = self.jaxpr.eqns[index]
-        self.eqns.append(index)
+        (self.shared_eqns if self.shared_depth else self.eqns).append(index)
         name = eqn.primitive.name
         if name == "dot_general":
-            return self.visit_dot(eqn, labels)
+            return self.visit_dot(index, eqn, labels)
         if name == "transpose":
             perm = eqn.params["permutation"]
             operand_labels = [None] * len(perm)
@@ -235,7 +292,7 @@ class _NetworkBuilder:
                 operand_labels[in_axis] = labels[out_axis]
             return self.visit(eqn.invars[0], operand_labels) + ".T"
         if name == "reduce_sum":
-            return self.visit_sum(eqn, labels)
+            return self.visit_sum(index, eqn, labels)
         if name in UNIT_AXIS_PRIMITIVES:
             return self.visit_unit_axes(eqn, labels)
         return self.visit(eqn.invars[0], labels)  # a widening convert_element_type
@@ -251,7 +308,7 @@ class _NetworkBuilder:
         self.sizes.update((label, 1) for label in operand_labels if label not in self.sizes)
         return self.visit(operand, operand_labels)
 
-    def visit_dot(self, eqn, labels: Sequence[Label]) -> str:
+    def visit_dot(self, index: int, eqn, labels: Sequence[Label]) -> str:
         (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
         lhs, rhs = eqn.invars
         contracted = self.fresh(len(lhs_contract))
@@ -261,18 +318,18 @@ class _NetworkBuilder:
         lhs_labels = _place(len(lhs.aval.shape), zip(lhs_batch, batch), zip(lhs_contract, contracted), lhs_free)
         rhs_labels = _place(len(rhs.aval.shape), zip(rhs_batch, batch), zip(rhs_contract, contracted), rhs_free)
         self.sizes.update(zip(contracted, (lhs.aval.shape[a] for a in lhs_contract)))
-        self.multiply_adds += math.prod(self.sizes[label] for label in set(lhs_labels) | set(rhs_labels))
+        self.charge(index, math.prod(self.sizes[label] for label in set(lhs_labels) | set(rhs_labels)))
         self.precisions.add(eqn.params.get("precision"))
         self.dots += 1
         return f"({self.visit(lhs, lhs_labels)} @ {self.visit(rhs, rhs_labels)})"
 
-    def visit_sum(self, eqn, labels: Sequence[Label]) -> str:
+    def visit_sum(self, index: int, eqn, labels: Sequence[Label]) -> str:
         operand = eqn.invars[0]
         axes = sorted(eqn.params["axes"])
         summed = self.fresh(len(axes))
         operand_labels = _place(len(operand.aval.shape), (), zip(axes, summed), labels)
         self.sizes.update(zip(summed, (operand.aval.shape[a] for a in axes)))
-        self.multiply_adds += math.prod(operand.aval.shape)
+        self.charge(index, math.prod(operand.aval.shape))
         dtype = np.dtype(operand.aval.dtype)
         self.operands.extend(Operand(None, (label,), dtype) for label in summed)
         return f"sum({self.visit(operand, operand_labels)}, axes={tuple(axes)})"

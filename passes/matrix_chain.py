@@ -10,9 +10,10 @@ from jax._src import core
 
 from hlopass.config import Config
 from hlopass.contraction import (MAX_OPERANDS, Network, Path, contract, describe_path, extract_networks,
-                                 optimal_path, path_cost)
+                                 optimal_path, path_cost, shared_worth_inlining)
 from hlopass.graph import DataflowGraph
 from hlopass.interpreter import Replacement, rewrite
+from hlopass.jaxpr_utils import dce
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
@@ -47,18 +48,20 @@ class MatrixChainPass(Pass):
     name = "matrix_chain"
 
     def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
-        graph = DataflowGraph(closed)
-        live = _live_equations(graph)
+        live = dce(closed)  # dead readers would otherwise make products look shared
+        if len(live.jaxpr.eqns) == len(closed.jaxpr.eqns):
+            live = closed
+        graph = DataflowGraph(live)
         replacements = []
-        for network in extract_networks(graph):
+        for network in extract_networks(graph, shared_worth_inlining(graph)):
             root = graph.eqn(network.root)
-            if network.root not in live:
-                continue
             if len(network.operands) > MAX_OPERANDS:
                 report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
                                                  f"the exact search handles ({MAX_OPERANDS})")
                 continue
-            plan = plan_order(network, config.threshold)
+            # A chain that recomputes a shared product must be rewritten: the
+            # product's other readers no longer have it otherwise.
+            plan = plan_order(network, config.threshold, force=bool(network.shared_eqns))
             if plan is None:
                 continue
             replacements.append(Replacement(
@@ -67,11 +70,12 @@ class MatrixChainPass(Pass):
             _report(report, root, network, plan)
         if not replacements:
             return closed
-        return rewrite(closed, replacements, name="matrix_chain")
+        return rewrite(live, replacements, name="matrix_chain")
 
 
-def plan_order(network: Network, threshold_bytes: int | None) -> Plan | None:
-    """The order to emit for ``network``, or ``None`` when the order as written is as good.
+def plan_order(network: Network, threshold_bytes: int | None, force: bool = False) -> Plan | None:
+    """The order to emit for ``network``, or ``None`` when the order as written is as good
+    (never ``None`` with ``force``).
 
     With a threshold, the cheapest order whose intermediates all fit under it
     wins; if the order as written does not fit and another does, that one is
@@ -93,19 +97,10 @@ def plan_order(network: Network, threshold_bytes: int | None) -> Plan | None:
     fits_now = limit is None or network.original_peak_bytes <= threshold_bytes
     fits_after = limit is None or peak_after <= threshold_bytes
     cheaper = cost.multiply_adds < network.original_multiply_adds
-    if not (cheaper and (fits_after or not fits_now)) and not (fits_after and not fits_now):
+    if not force and not (cheaper and (fits_after or not fits_now)) and not (fits_after and not fits_now):
         return None
     return Plan(path, 2 * network.original_multiply_adds, 2 * cost.multiply_adds,
                 network.original_peak_bytes, peak_after)
-
-
-def _live_equations(graph: DataflowGraph) -> set[int]:
-    """Equations whose results reach the jaxpr's outputs (dead chains are not worth reordering)."""
-    producers = {graph.producer[v] for v in graph.outvars if v in graph.producer}
-    live = set(producers)
-    for i in producers:
-        live |= graph.ancestors(i)
-    return live
 
 
 def _emit(network: Network, path: Path, *values):
@@ -114,11 +109,16 @@ def _emit(network: Network, path: Path, *values):
 
 def _report(report: PassReport, root, network: Network, plan: Plan) -> None:
     n_factors = sum(not op.is_ones for op in network.operands)
+    shared = ""
+    if network.shared_eqns:
+        shared = (f" (recomputes {len(network.shared_eqns)} shared equation(s) instead of storing their result;"
+                  " FLOPs before count them once, in the first chain that reads them)")
     report.rewrite(
         "reorder", root,
         f"chain of {n_factors} factors {network.original_expression} -> {describe_path(network, plan.path)}: "
         f"{plan.flops_before:.3g} -> {plan.flops_after:.3g} FLOPs, peak intermediate "
-        f"{format_size(plan.peak_before)} -> {format_size(plan.peak_after)}",
+        f"{format_size(plan.peak_before)} -> {format_size(plan.peak_after)}{shared}",
+        shared_equations=len(network.shared_eqns),
         flops_before=plan.flops_before, flops_after=plan.flops_after,
         peak_intermediate_before=plan.peak_before, peak_intermediate_after=plan.peak_after,
         einsum=network.subscripts, order=describe_path(network, plan.path),

@@ -102,15 +102,40 @@ def test_chains_inside_a_larger_graph():
     assert_matches_jit(chains.chain_inside_graph, args, rtol=1e-4, atol=1e-4)
 
 
-def test_a_product_used_twice_is_a_boundary():
+def test_a_product_used_twice_is_recomputed_when_that_is_cheaper():
+    # M = A @ B feeds M @ v and M.T @ w: A @ (B @ v) and B.T @ (A.T @ w) cost 4n^2, not n^3 + 2n^2.
     A, B, v = chains.CHAINS["A@B@v"][2](N, np.float32, 4)
     w = np.cos(np.arange(N, dtype=np.float32))
     traced = chain_jit(chains.reused_product).trace(A, B, v, w)
-    square_products = [eqn for eqn in traced.rewritten_jaxpr.jaxpr.eqns
-                       if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape == (N, N)]
-    assert len(square_products) == 1  # A @ B computed once, not once per chain
-    assert dot_count(traced.rewritten_jaxpr) == 3
+    rewrites = chain_rewrites(traced.report)
+    assert len(rewrites) == 2 and all(r.details["shared_equations"] == 1 for r in rewrites)
+    assert sum(r.details["flops_before"] for r in rewrites) == 2 * (N**3 + 2 * N * N)
+    assert sum(r.details["flops_after"] for r in rewrites) == 2 * 4 * N * N
+    assert all(eqn.outvars[0].aval.shape != (N, N) for eqn in traced.rewritten_jaxpr.jaxpr.eqns)
     assert_matches_jit(chains.reused_product, (A, B, v, w), rtol=1e-4, atol=1e-4)
+
+
+def test_a_product_used_twice_stays_a_boundary_when_recomputing_costs_more():
+    def fun(A, B, C, D):
+        M = A @ B
+        return M @ C, M.T @ D  # recomputing A @ B inside both would cost 4n^3 instead of 3n^3
+
+    args = chains.CHAINS["A.T@B.T@C@v"][2](N, np.float32, 12)[:3] + (np.eye(N, dtype=np.float32),)
+    traced = chain_jit(fun).trace(*args)
+    assert chain_rewrites(traced.report) == []
+    assert dot_count(traced.rewritten_jaxpr) == 3
+    assert_matches_jit(fun, args, rtol=1e-4, atol=1e-4)
+
+
+def test_a_product_also_read_outside_chains_is_a_boundary():
+    def fun(A, B, v):
+        M = A @ B
+        return jnp.tanh(M) @ v + M @ v
+
+    args = chains.CHAINS["A@B@v"][2](N, np.float32, 13)
+    traced = chain_jit(fun).trace(*args)
+    assert chain_rewrites(traced.report) == []
+    assert_matches_jit(fun, args, rtol=1e-4, atol=1e-4)
 
 
 def test_a_returned_intermediate_is_a_boundary():
@@ -229,6 +254,21 @@ def test_gradient_inside_the_function():
     assert all(eqn.outvars[0].aval.shape != (4 * N, N) for eqn in traced.rewritten_jaxpr.jaxpr.eqns
                if eqn.primitive.name == "dot_general")
     assert_matches_jit(grad_w1, args, rtol=1e-4, atol=1e-3)
+
+
+def test_full_gradient_inside_the_function():
+    def grads(x, W1, W2):
+        return jax.grad(lambda *a: jnp.sum(chains.thin_mlp(*a)), argnums=(0, 1, 2))(x, W1, W2)
+
+    args = chains.CHAINS["x@W1@W2 (thin W2)"][2](N)
+    traced = chain_jit(grads).trace(*args)
+    rewrites = chain_rewrites(traced.report)
+    assert len(rewrites) == 3  # dx, dW1 and dW2
+    assert sum(r.details["flops_after"] for r in rewrites) * 10 < sum(r.details["flops_before"] for r in rewrites)
+    products = [eqn.outvars[0].aval.shape for eqn in traced.rewritten_jaxpr.jaxpr.eqns
+                if eqn.primitive.name == "dot_general"]
+    assert products.count((4 * N, N)) == 1  # only dx itself, as an outer product
+    assert_matches_jit(grads, args, rtol=1e-4, atol=1e-4)
 
 
 def test_gradient_of_a_hlopass_function_rewrites_the_backward_program():

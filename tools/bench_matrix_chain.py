@@ -4,7 +4,7 @@
 
 For each chain of ``fixtures/chains.py`` (``A@B@v``, ``A.T@B.T@C@v``,
 ``sum(A@B, axis=1)`` at n×n, a batched ``A@B@v`` and ``x@W1@W2`` with a thin
-``W2``), plus the gradient of ``sum(x@W1@W2)`` with respect to ``W1``: the
+``W2``), plus the gradient of ``sum(x@W1@W2)`` in all three arguments: the
 best of three calls after a warm-up for ``jax.jit`` of the code as written,
 ``hlopass.jit`` of the same code (matrix_chain pass only) and ``jax.jit`` of
 the hand-ordered twin; XLA's temp memory for each; the largest difference
@@ -31,12 +31,14 @@ from hlopass.sizes import format_size  # noqa: E402
 
 
 def grad_thin_mlp(x, W1, W2):
-    """d/dW1 of sum(x @ W1 @ W2): the backward pass holds the chain x.T @ (g @ W2.T)."""
-    return jax.grad(lambda W1: jnp.sum(chains.thin_mlp(x, W1, W2)))(W1)
+    """Gradient of sum(x @ W1 @ W2) in x, W1 and W2: the backward pass holds the chains
+    g @ (W1 @ W2).T, x.T @ (g @ W2.T) and (x @ W1).T @ g, sharing g @ W2.T."""
+    return jax.grad(lambda *a: jnp.sum(chains.thin_mlp(*a)), argnums=(0, 1, 2))(x, W1, W2)
 
 
 def grad_thin_mlp_by_hand(x, W1, W2):
-    return jnp.sum(x, axis=0)[:, None] @ W2.T
+    column_sums = jnp.sum(x, axis=0)[:, None]
+    return (jnp.ones((x.shape[0], 1), x.dtype) @ (W1 @ W2).T, column_sums @ W2.T, W1.T @ column_sums)
 
 
 def workloads(n: int, tiny: bool):
@@ -52,7 +54,7 @@ def workloads(n: int, tiny: bool):
         else:
             args = make(n)
         rows[name] = (fun, by_hand, args)
-    rows["grad of sum(x@W1@W2) wrt W1"] = (grad_thin_mlp, grad_thin_mlp_by_hand, chains.CHAINS["x@W1@W2 (thin W2)"][2](mlp_n))
+    rows["grad of sum(x@W1@W2)"] = (grad_thin_mlp, grad_thin_mlp_by_hand, chains.CHAINS["x@W1@W2 (thin W2)"][2](mlp_n))
     return rows
 
 
@@ -73,8 +75,8 @@ def temp_bytes(jitted, args) -> int:
 def measure(name, fun, by_hand, args, repeat) -> dict:
     plain, ours, hand = jax.jit(fun), hlopass.jit(fun, passes="matrix_chain"), jax.jit(by_hand)
     report = ours.trace(*args).report
-    want = np.asarray(plain(*args), np.float64)
-    got = np.asarray(ours(*args), np.float64)
+    want = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(plain(*args))]).astype(np.float64)
+    got = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(ours(*args))]).astype(np.float64)
     row = {
         "chain": name,
         "shapes": " ".join("x".join(map(str, a.shape)) for a in args),
