@@ -46,11 +46,12 @@ Path = list[tuple[int, ...]]
 LINK_PRIMITIVES = ("dot_general", "transpose", "reduce_sum", "convert_element_type",
                    "squeeze", "broadcast_in_dim", "reshape")
 UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
-#: The exact search is exponential in the worst case (batch labels shared by
-#: every operand); longer chains are left alone.
-MAX_OPERANDS = 16
-#: Outer products are searched too (all subsets) only in networks this small.
-MAX_OUTER_SEARCH = 10
+#: Networks with more operands are left alone.
+MAX_OPERANDS = 64
+#: The exact search is exponential when a label joins more than two operands
+#: (a batch axis summed away) or when outer products are searched: such
+#: networks get it only up to this many operands, larger ones opt_einsum's greedy search.
+MAX_EXPONENTIAL_SEARCH = 10
 
 
 @dataclasses.dataclass
@@ -212,6 +213,15 @@ def shared_worth_inlining(graph, cost=None, max_candidates: int = 32) -> frozens
 def _optimal_multiply_adds(network: Network) -> int:
     if len(network.operands) > MAX_OPERANDS:
         return network.original_multiply_adds
+    return _cached_optimal_multiply_adds(network.subscripts, tuple(sorted(network.sizes.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_optimal_multiply_adds(subscripts: str, sizes: tuple) -> int:
+    inputs, output = subscripts.split("->")
+    size = dict(sizes)
+    network = Network([Operand(None, tuple(labels), np.dtype("float32")) for labels in inputs.split(",")],
+                      tuple(output), size, np.dtype("float32"))
     return path_cost(network, optimal_path(network)).multiply_adds
 
 
@@ -419,7 +429,9 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
 
     Labels carried by every operand and by the output (pure batch dimensions)
     scale every step alike; they are left out of the search, which keeps it a
-    chain search instead of one over all subsets.
+    chain search instead of one over all subsets. Networks whose search would
+    be exponential and that have more than ``MAX_EXPONENTIAL_SEARCH`` operands
+    get opt_einsum's greedy order instead (not always optimal).
     """
     inputs = [set(op.labels) for op in network.operands]
     if len(inputs) == 1:
@@ -430,14 +442,23 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
     if memory_limit is not None:
         memory_limit = max(memory_limit // max(network.size(batch), 1), network.size(output - batch))
     inputs = [i - batch for i in inputs]
+    small = len(inputs) <= MAX_EXPONENTIAL_SEARCH
+    if not small and _has_hyperedges(inputs, output - batch):
+        path = opt_einsum.paths.greedy(inputs, output - batch, sizes, memory_limit)
+        return [tuple(step) for step in path]
     # Axes of size 1 dropped by a squeeze can split a chain into pieces that only
     # outer products join; small networks then search those too.
-    search_outer = len(inputs) <= MAX_OUTER_SEARCH and not _connected(inputs)
+    search_outer = small and not _connected(inputs)
     if search_outer:
         inputs = _tie_scalars(inputs, output, sizes)
     optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True, search_outer=search_outer)
     path = optimizer(inputs, output - batch, sizes, memory_limit)
     return [tuple(step) for step in path]
+
+
+def _has_hyperedges(inputs: list[set], output: set) -> bool:
+    counts = collections.Counter(label for labels in inputs for label in labels)
+    return any(count + (label in output) > 2 for label, count in counts.items())
 
 
 def _connected(inputs: list[set]) -> bool:

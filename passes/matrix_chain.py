@@ -57,7 +57,7 @@ class MatrixChainPass(Pass):
             root = graph.eqn(network.root)
             if len(network.operands) > MAX_OPERANDS:
                 report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
-                                                 f"the exact search handles ({MAX_OPERANDS})")
+                                                 f"the pass handles ({MAX_OPERANDS})")
                 continue
             # A chain that recomputes a shared product must be rewritten: the
             # product's other readers no longer have it otherwise.
