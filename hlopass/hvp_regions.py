@@ -29,7 +29,6 @@ inputs qualify, the region is left alone (it would be a guess).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,13 +38,12 @@ from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
 from hlopass.hvp_fwdrev import forward_differentiable
-from hlopass.hvp_trace import RECORDS, SCOPE_PREFIX, Record
+from hlopass.hvp_trace import RECORDS, Record, new_scope
 from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
 from hlopass.jaxpr_utils import iter_eqns
 from hlopass.report import source_line
 
 FORWARD, BACKWARD = "forward", "backward"
-_counter = itertools.count()
 #: Why regions were left alone in the most recent hook calls (for tests and debugging).
 SKIPPED: list[str] = []
 
@@ -321,7 +319,7 @@ def _replacement(jaxpr: core.Jaxpr, plan: RegionPlan) -> Replacement:
     extras_fn = _as_function([jaxpr.eqns[i] for i in plan.region.forward], plan.inputs, plan.extras) \
         if plan.extras else None
     call = fwdrev_region(region_fn, loss_fn, extras_fn, plan.params, len(plan.inputs), plan.value is not None)
-    scope = f"{SCOPE_PREFIX}r{next(_counter)}"
+    scope = new_scope()
     RECORDS[scope] = Record(scope, "grad region", plan.location, plan.location)
 
     def build(*inputs):

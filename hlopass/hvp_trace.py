@@ -60,6 +60,11 @@ _originals: dict[str, Callable] = {}
 _saved: list = []
 
 
+def new_scope() -> str:
+    """A fresh ``hlopass_hvp_<n>`` scope name."""
+    return f"{SCOPE_PREFIX}{next(_counter)}"
+
+
 def _depth() -> int:
     return getattr(_state, "depth", 0)
 
@@ -141,7 +146,7 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
     ans, aux = out if has_aux else (out, None)
     if not _float_leaves(ans):
         return None
-    scope = f"{SCOPE_PREFIX}{next(_counter)}"
+    scope = new_scope()
     record = Record(scope, "vjp", _describe_function(_user_function(fun)), _call_site())
 
     def seeded(prims, ct):
