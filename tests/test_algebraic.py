@@ -135,7 +135,9 @@ def test_squared_distance_spellings(spelling, dtype):
     with precision(dtype):
         x, y = points(dtype)
         compiled = check_values_and_grads(fun, (x, y), big_bytes=big(dtype, N, M, D))
-        assert kinds(compiled, x, y) == ["squared_distance"]
+        (entry,) = rewrites(compiled, x, y)
+        assert entry.kind == "squared_distance" and entry.details["clamped"]
+        assert entry.location.startswith("test_algebraic.py:")  # the user's line, not JAX's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -297,3 +299,32 @@ def test_property_random_shapes(n, m, d, spelling, seed):
     compiled = algebraic(fun, threshold="off")
     assert_close(compiled(x, y), jax.jit(fun)(x, y))
     assert kinds(compiled, x, y) == ["squared_distance"]
+
+
+# -- extending the matcher -----------------------------------------------------------------------
+
+def test_a_new_identity_is_one_small_rule():
+    """A primitive the matcher does not know is a leaf; one registered rule makes it transparent."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    from hlopass import patterns
+
+    triple_p = Primitive("test_triple")
+    triple_p.def_abstract_eval(lambda x: x)
+    triple_p.def_impl(lambda x: 3 * x)
+    mlir.register_lowering(triple_p, mlir.lower_fun(lambda x: 3 * x, multiple_results=False))
+    fun = lambda x, y: jnp.sum(triple_p.bind(x[:, None] - y[None]) ** 2, -1)  # noqa: E731
+    x, y = points("float32")
+    assert algebraic(fun).trace(x, y).report.rewrites == []  # a leaf as large as the difference
+
+    @patterns.rule("test_triple")
+    def _triple(expander, eqn, scope, _position, labels):
+        return patterns.scale(expander.operand(eqn, scope, 0, labels), 3.0)
+
+    try:
+        compiled = algebraic(fun)
+        assert kinds(compiled, x, y) == ["squared_distance"]
+        assert_close(compiled(x, y), jax.jit(fun)(x, y))
+    finally:
+        del patterns.RULES["test_triple"]

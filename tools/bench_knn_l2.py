@@ -16,6 +16,7 @@ how many queries get the same k neighbours as the hlopass run.
     python tools/bench_knn_l2.py                # 10,000 queries x 100,000 points, d = 100
     python tools/bench_knn_l2.py --tiny         # seconds-long smoke run
     python tools/bench_knn_l2.py --json out.json
+    python tools/bench_knn_l2.py --accuracy     # error of the rewrite vs the naive form
 """
 
 from __future__ import annotations
@@ -77,6 +78,54 @@ def run_variant(variant: str, queries: int, points: int, dim: int, k: int, repea
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     np.save(indices_path, np.asarray(idx))
     return result
+
+
+# -- accuracy of the expanded form ----------------------------------------------------------------
+
+def accuracy(queries: int = 500, points: int = 2000, dim: int = 100, offsets=(0.0, 10.0)) -> list[dict]:
+    """Error of the rewritten distance against the naive one, in float32 and float64.
+
+    Data: standard normal points shifted by ``offset`` (a shift makes the
+    expanded form cancel more). Errors are relative: the largest error over
+    the largest naive distance, and the median of per-entry relative errors.
+    """
+    sys.path.insert(0, ROOT)
+    import jax
+    import numpy as np
+
+    import hlopass
+    from fixtures.knn import pairwise_sq_l2
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for offset in offsets:
+        q64 = rng.standard_normal((queries, dim)) + offset
+        p64 = rng.standard_normal((points, dim)) + offset
+        exact = ((q64[:, None, :] - p64[None]) ** 2).sum(-1)
+        for dtype in ("float32", "float64"):
+            with jax.enable_x64(dtype == "float64"):
+                q, p = jax.numpy.asarray(q64, dtype), jax.numpy.asarray(p64, dtype)
+                naive = np.asarray(jax.jit(pairwise_sq_l2)(q, p), np.float64)
+                rewritten_fn = hlopass.jit(pairwise_sq_l2, passes="algebraic", threshold="off")
+                assert [r.kind for r in rewritten_fn.trace(q, p).report.rewrites] == ["squared_distance"]
+                rewritten = np.asarray(rewritten_fn(q, p), np.float64)
+            diff = np.abs(rewritten - naive)
+            rows.append({"dtype": dtype, "offset": offset,
+                         "max_error_over_max_distance": float(diff.max() / naive.max()),
+                         "median_relative_error": float(np.median(diff / np.maximum(naive, 1e-300))),
+                         "naive_vs_exact_median_relative_error": float(np.median(np.abs(naive - exact) / exact)),
+                         "min_rewritten": float(rewritten.min())})
+    return rows
+
+
+def format_accuracy(rows: list[dict]) -> str:
+    header = f"{'dtype':<9}{'offset':>7}{'max err / max dist':>20}{'median rel err':>16}{'naive vs exact':>16}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['dtype']:<9}{r['offset']:>7.1f}{r['max_error_over_max_distance']:>20.2e}"
+                     f"{r['median_relative_error']:>16.2e}{r['naive_vs_exact_median_relative_error']:>16.2e}")
+    lines.append("(rewritten vs naive in the same dtype; 'naive vs exact': the naive form's own error, for scale)")
+    return "\n".join(lines)
 
 
 # -- the parent: every variant in a capped child --------------------------------------------------
@@ -158,6 +207,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-cap", default="12GiB", help="address-space cap of each child (default 12GiB)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per variant")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    parser.add_argument("--accuracy", action="store_true",
+                        help="measure the rewritten distance's error against the naive one instead (float32, float64)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--indices", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -167,6 +218,14 @@ def main(argv=None) -> int:
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     repeat = args.repeat if args.repeat is not None else (1 if sizes == FULL else 3)
+
+    if args.accuracy:
+        rows = accuracy(**({"queries": 50, "points": 200, "dim": 16} if args.tiny else {}))
+        print(format_accuracy(rows))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"accuracy": rows}, fh, indent=2)
+        return 0
 
     if args.worker:
         print(json.dumps(run_variant(args.worker, repeat=repeat, threshold=args.threshold,
