@@ -181,14 +181,19 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
 
 def _inputs_read_by(jaxpr, forward: list[int], loss, inputs) -> set:
     """The region inputs that the loss value depends on."""
-    sub = core.Jaxpr([], list(inputs), [loss], [jaxpr.eqns[i] for i in forward])
+    sub = _jaxpr([jaxpr.eqns[i] for i in forward], inputs, [loss])
     _, used = pe.dce_jaxpr(sub, [True])
     return {v for v, u in zip(inputs, used) if u}
 
 
+def _jaxpr(eqns, inputs, outputs) -> core.Jaxpr:
+    debug = core.DebugInfo("hvp region", "<hvp region>", None, None)
+    return core.Jaxpr([], list(inputs), list(outputs), list(eqns), debug_info=debug)
+
+
 def _as_function(eqns: Sequence[core.JaxprEqn], inputs: Sequence[core.Var], outputs: Sequence[core.Var]) -> Callable:
     """Evaluate ``eqns`` (only those the outputs need) as a function of ``inputs``."""
-    sub = core.Jaxpr([], list(inputs), list(outputs), list(eqns))
+    sub = _jaxpr(eqns, inputs, outputs)
     sub, _ = pe.dce_jaxpr(sub, [True] * len(outputs), instantiate=True)
     return lambda *args: core.eval_jaxpr(sub, [], *args)
 
