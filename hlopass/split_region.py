@@ -40,6 +40,12 @@ SEED_PRIMITIVES = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_
                              "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 
 
+#: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
+FUSIBLE_PRODUCERS = ELEMENTWISE | {"broadcast_in_dim", "iota", "transpose", "reshape", "squeeze"}
+FUSING_CONSUMERS = ELEMENTWISE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                                  "reduce_or", "broadcast_in_dim", "argmax", "argmin"}
+
+
 class Infeasible(Exception):
     """A region cannot be split along an axis; ``eqn_index`` is the equation that prevents it."""
 
@@ -94,6 +100,38 @@ class Region:
             if axis is not None:
                 best = max(best, -(-aval_nbytes(var.aval) // self.size))
         return best
+
+    def peak_per_unit_bytes(self, jaxpr: core.Jaxpr, graph: DataflowGraph) -> int:
+        """Bytes per unit of the split axis live at once in one iteration, in program order.
+
+        A value that XLA fuses into its only consumer (an elementwise result read by one
+        elementwise op, reduction or broadcast) is not counted; sliced inputs are live throughout.
+        """
+        unit = lambda var: -(-aval_nbytes(var.aval) // self.size)  # noqa: E731
+        inputs = sum(unit(var) for var, axis in self.inputs(jaxpr) if axis is not None)
+        last_use: dict[core.Var, int] = {}
+        for i in self.ordered():
+            for var in jaxpr.eqns[i].outvars:
+                if self.var_axis.get(var) is None or self._fused(jaxpr, graph, i, var):
+                    continue
+                uses = [j for j in graph.uses(var) if j in self.eqns]
+                last_use[var] = len(jaxpr.eqns) if graph.is_output(var) or len(uses) < len(graph.uses(var)) \
+                    else max(uses, default=i)
+        live, peak = {}, 0
+        for i in self.ordered():
+            for var in jaxpr.eqns[i].outvars:
+                if var in last_use:
+                    live[var] = unit(var)
+            peak = max(peak, sum(live.values()))
+            for var in [v for v, last in last_use.items() if last == i]:
+                live.pop(var, None)
+        return inputs + peak
+
+    def _fused(self, jaxpr, graph, i: int, var) -> bool:
+        if jaxpr.eqns[i].primitive.name not in FUSIBLE_PRODUCERS or graph.is_output(var):
+            return False
+        uses = graph.uses(var)
+        return len(uses) == 1 and uses[0] in self.eqns and jaxpr.eqns[uses[0]].primitive.name in FUSING_CONSUMERS
 
     def largest_bytes(self) -> int:
         """The largest value the region computes (the tensor the split avoids)."""

@@ -42,6 +42,8 @@ from hlopass.split_region import Infeasible, Region, grow_region, seed_labels, s
 MAX_ROUNDS = 16
 #: An even chunk (dividing the axis) is preferred when at least this fraction of the largest that fits.
 EVEN_CHUNK_FRACTION = 0.8
+#: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
+LIVE_BUDGET = 1
 CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
@@ -148,7 +150,8 @@ def _candidate(jaxpr, graph, region: Region, config: Config) -> _Candidate | Non
     if not any(aval_nbytes(v.aval) > config.threshold for v in region.var_axis if v not in outputs):
         return None
     per_unit = max(region.per_unit_bytes(jaxpr), 1)
-    fits = config.split_size // per_unit
+    peak = max(region.peak_per_unit_bytes(jaxpr, graph), 1)
+    fits = min(config.split_size // per_unit, LIVE_BUDGET * config.split_size // peak)
     need = region.min_chunk(jaxpr)
     if fits >= region.size:
         return None
