@@ -345,11 +345,11 @@ class Expander:
 
 @rule("convert_element_type")
 def _convert(ex, eqn, scope, _k, labels):
-    dtype = np.dtype(eqn.params["new_dtype"])
-    if dtype.kind not in "f" or np.dtype(eqn.invars[0].aval.dtype).kind not in "biuf":
-        if dtype.kind == "f" and np.dtype(eqn.invars[0].aval.dtype) == np.bool_:
-            return ex.expand(eqn.invars[0], scope, labels)  # a 0/1 mask
-        raise NoMatch(f"conversion to {dtype} is not a real-number identity")
+    """A cast to a real floating type keeps the value (booleans become a 0/1 mask); the einsums
+    compute in the result's type."""
+    source, target = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    if target.kind != "f" or source.kind not in "biuf":
+        raise NoMatch(f"conversion from {source} to {target} is not a real-number identity")
     return ex.expand(eqn.invars[0], scope, labels)
 
 

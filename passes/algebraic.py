@@ -114,14 +114,15 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
     removed = max(internal, key=lambda i: i.nbytes)
     if threshold is not None and removed.nbytes <= threshold:
         return None
-    skips_product = any(i.primitive == "dot_general" and i.nbytes >= kept for i in internal)
-    if removed.nbytes <= kept and not skips_product:
+    kind = classify(expansion, internal, labels)
+    partly_used_product = kind in ("trace_of_product", "diagonal_of_product", "sum_of_product") and any(
+        i.primitive == "dot_general" and i.nbytes >= kept for i in internal)
+    if removed.nbytes <= kept and not partly_used_product:
         if worth_telling:
             reason = _why_not(expander) if expander.notes else (
                 f"the expansion would read tensors as large as the {aval_str(removed.var.aval)} it removes")
             report.skip(eqn, eqn.primitive.name, reason)
         return None
-    kind = classify(expansion, internal, labels)
     if kind == "sum_of_product" and MATRIX_CHAIN in passes:
         report.skip(eqn, eqn.primitive.name, f"a sum of a matrix product: left to the {MATRIX_CHAIN} pass")
         return None
