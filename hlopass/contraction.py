@@ -87,6 +87,8 @@ class Network:
     original_peak_bytes: int = 0
     original_expression: str = ""
     shared_eqns: list[int] = dataclasses.field(default_factory=list)
+    #: why this chain cannot be reordered, if it cannot
+    unsupported: str | None = None
 
     @property
     def atoms(self) -> list[Any]:
@@ -211,7 +213,7 @@ def shared_worth_inlining(graph, cost=None, max_candidates: int = 32) -> frozens
 
 
 def _optimal_multiply_adds(network: Network) -> int:
-    if len(network.operands) > MAX_OPERANDS:
+    if len(network.operands) > MAX_OPERANDS or network.unsupported:
         return network.original_multiply_adds
     return _cached_optimal_multiply_adds(network.subscripts, tuple(sorted(network.sizes.items())))
 
@@ -269,13 +271,16 @@ class _NetworkBuilder:
         output = tuple(self.fresh(len(out.aval.shape)))
         self.sizes.update(zip(output, out.aval.shape))
         expression = self.visit_eqn(root, output)
-        if self.dots == 0 or len(self.precisions) > 1:
+        if self.dots == 0:
             return None
+        unsupported = None
+        if len(self.precisions) > 1:
+            unsupported = f"its products ask for different precisions {sorted(map(str, self.precisions))}"
         return Network(
             operands=self.operands, output=output, sizes=self.sizes, dtype=np.dtype(out.aval.dtype),
             precision=next(iter(self.precisions)), eqns=sorted(self.eqns), root=root,
             original_multiply_adds=self.multiply_adds, original_peak_bytes=self.peak_bytes,
-            original_expression=expression, shared_eqns=sorted(set(self.shared_eqns)))
+            original_expression=expression, shared_eqns=sorted(set(self.shared_eqns)), unsupported=unsupported)
 
     def visit(self, atom, labels: Sequence[Label]) -> str:
         """Describe ``atom`` (with ``labels`` on its axes); returns the expression as written."""

@@ -55,6 +55,9 @@ class MatrixChainPass(Pass):
         replacements = []
         for network in extract_networks(graph, shared_worth_inlining(graph)):
             root = graph.eqn(network.root)
+            if network.unsupported:
+                report.skip(root, "dot_general", f"chain {network.original_expression}: {network.unsupported}")
+                continue
             if len(network.operands) > MAX_OPERANDS:
                 report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
                                                  f"the pass handles ({MAX_OPERANDS})")

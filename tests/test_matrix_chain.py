@@ -306,3 +306,15 @@ def test_contract_optimally_for_other_passes():
     np.testing.assert_allclose(got, np.sum(A @ B, axis=1), rtol=1e-4, atol=1e-4)
     jaxpr = jax.make_jaxpr(lambda A, B, ones: contract_optimally("ij,jk,k->i", A, B, ones))(A, B, ones)
     assert all(eqn.outvars[0].aval.shape != (40, 50) for eqn in jaxpr.jaxpr.eqns)
+
+
+def test_chain_with_mixed_precisions_is_skipped_and_reported():
+    def fun(A, B, v):
+        return jnp.matmul(A, B, precision=lax.Precision.HIGHEST) @ v
+
+    args = chains.CHAINS["A@B@v"][2](N)
+    traced = chain_jit(fun).trace(*args)
+    assert chain_rewrites(traced.report) == []
+    [skip] = [s for s in traced.report.skipped if s.pass_name == "matrix_chain"]
+    assert "precisions" in skip.reason and skip.location.startswith("test_matrix_chain.py:")
+    assert_matches_jit(fun, args)
