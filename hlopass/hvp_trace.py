@@ -1,22 +1,30 @@
 """Trace-time half of the HVP rewrite: inner gradients under an outer gradient become forward-over-reverse.
 
-While ``hlopass.jit`` traces a user function (with the ``hvp`` pass
-enabled), :func:`intercept_gradients` puts thin wrappers in place of
-``jax.grad`` and ``jax.value_and_grad``. They count how deeply the current
-code is nested inside functions that a reverse-mode transformation
-(``jax.grad``, ``jax.value_and_grad``, ``jax.vjp``, ``jax.jacrev``) is
-differentiating. A gradient taken at depth zero is the ordinary one, so
-first-order programs trace to exactly the same jaxpr. A gradient taken
-deeper (its result is about to be differentiated again) is replaced by
-:func:`hlopass.hvp_fwdrev.fwdrev_value_and_grad`: same values, but its VJP is
-the forward-over-reverse Hessian-vector product, which keeps no inner
-backward activations. Forward-mode transformations (``jax.jvp``,
-``jax.jacfwd``, ``jax.hessian``, ``jax.linearize``) reset the depth, since a
-``custom_vjp`` cannot be differentiated in forward mode.
+For ``@hlopass.jit`` on a function that calls ``jax.grad(meta_loss)``
+itself. Once JAX has differentiated such a program, the outer backward pass
+is interleaved with the inner one and the inner loss is no longer
+recoverable from the jaxpr, so the replacement is made while the function is
+traced. :func:`intercept_gradients` (entered by ``hlopass.jit`` around the
+user's function when the ``hvp`` pass is enabled, see
+:mod:`hlopass.trace_hooks`) replaces JAX's ``vjp`` entry point, through
+which ``jax.grad``, ``jax.value_and_grad``, ``jax.jacrev`` and ``jax.vjp``
+all go however they were imported or created, by a wrapper that counts how
+deeply the current code is nested inside functions being differentiated in
+reverse mode:
 
-Each replacement is traced under a named scope ``hlopass_hvp_<n>``; the pass
-finds these scopes in the jaxpr and reports them with the inner loss's
-source line (:data:`RECORDS`).
+- at depth zero a gradient is the ordinary one, so first-order programs
+  trace to exactly the same jaxpr;
+- deeper (its result is about to be differentiated again) the pullback is
+  :func:`hlopass.hvp_fwdrev.fwdrev_value_and_grad` of ``<ct, f(x)>``: same
+  values, but its own VJP is the forward-over-reverse Hessian-vector
+  product, which keeps no inner backward activations;
+- forward-mode entry points (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``,
+  ``jax.linearize``) reset the depth, since a ``custom_vjp`` cannot be
+  differentiated in forward mode; so do losses that contain a ``custom_vjp``.
+
+Only the thread that is tracing is affected. Each replacement is traced
+under a named scope ``hlopass_hvp_<n>``; the pass finds these scopes in the
+jaxpr and reports them with the inner loss's source line (:data:`RECORDS`).
 """
 
 from __future__ import annotations
@@ -63,6 +71,11 @@ _saved: list = []
 def new_scope() -> str:
     """A fresh ``hlopass_hvp_<n>`` scope name."""
     return f"{SCOPE_PREFIX}{next(_counter)}"
+
+
+def _enabled() -> bool:
+    """Whether this thread is tracing under :func:`intercept_gradients` (other threads are not touched)."""
+    return getattr(_state, "enabled", 0) > 0
 
 
 def _depth() -> int:
@@ -171,7 +184,7 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
 
 def _patched_vjp(fun, *primals, has_aux=False, **kwargs):
     original = _originals["vjp"]
-    if in_machinery():
+    if in_machinery() or not _enabled():
         return original(fun, *primals, has_aux=has_aux, **kwargs)
     if _depth() > 0 and not kwargs and _has_tracer(primals) and _float_leaves(primals):
         result = _fwdrev_vjp(fun, primals, has_aux)
@@ -183,7 +196,7 @@ def _patched_vjp(fun, *primals, has_aux=False, **kwargs):
 def _forward_barrier_of(original: Callable) -> Callable:
     @functools.wraps(original)
     def patched(fun, *args, **kwargs):
-        return original(_forward_barrier(fun), *args, **kwargs)
+        return original(_forward_barrier(fun) if _enabled() else fun, *args, **kwargs)
     return patched
 
 
@@ -223,10 +236,13 @@ def intercept_gradients(config=None):
         if _active == 0:
             _install()
         _active += 1
+    outermost = not _enabled()
+    _state.enabled = getattr(_state, "enabled", 0) + 1
     try:
-        with _at_depth(0 if _active == 1 else _depth()):
+        with _at_depth(0 if outermost else _depth()):
             yield
     finally:
+        _state.enabled -= 1
         with _lock:
             _active -= 1
             if _active == 0:
