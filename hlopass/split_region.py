@@ -147,15 +147,18 @@ class Region:
 
 
 def seeds(jaxpr: core.Jaxpr, threshold: int) -> list[int]:
-    """Reducing equations with an operand above ``threshold`` bytes and results at most that."""
+    """Reducing equations with an operand above ``threshold`` bytes and results at most that
+    (or at most half the operand: with a tiny threshold, ``top_k`` of many rows still reduces)."""
     found = []
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in SEED_PRIMITIVES:
             continue
-        if not any(_effective_nbytes(jaxpr, producers, a) > threshold for a in eqn.invars):
+        largest = max(_effective_nbytes(jaxpr, producers, a) for a in eqn.invars)
+        if largest <= threshold:
             continue
-        if eqn.primitive.name.startswith("cum") or all(aval_nbytes(v.aval) <= threshold for v in eqn.outvars):
+        out = max(aval_nbytes(v.aval) for v in eqn.outvars)
+        if eqn.primitive.name.startswith("cum") or out <= threshold or 2 * out <= largest:
             found.append(i)
     return found
 
@@ -240,9 +243,7 @@ class _Grower:
             region.var_axis[var] = axis
             if axis is None or isinstance(var, core.DropVar):
                 continue
-            if self.large(var):
-                if self.graph.is_output(var):
-                    raise Infeasible(i, "a large value is a result of the program")
+            if self.large(var):  # a large value (a result of the program too) is written slice by slice
                 for j in self.graph.uses(var):
                     if j not in region.eqns:
                         queue.append((j, self._label_of_use(j, var, axis)))

@@ -66,8 +66,12 @@ class _Candidate:
     covered: int      # bytes of large values the region keeps out of memory
     survives: bool    # the split axis reaches the results (no accumulation)
 
+    step_bytes: int   # the largest value of one iteration
+
     def key(self):
-        return (not self.nested, self.covered, self.survives, self.region.size)
+        # Fitting in one level first; among nested ones the smallest step; then what it covers.
+        return (not self.nested, -self.step_bytes if self.nested else 0, self.covered, self.survives,
+                self.region.size)
 
 
 def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
@@ -159,7 +163,7 @@ def _candidate(jaxpr, graph, region: Region, config: Config) -> _Candidate | Non
     chunk = need if nested else choose_chunk(region.size, fits)
     if chunk >= region.size:
         return None
-    return _Candidate(region, chunk, nested, covered, survives=not region.reducing)
+    return _Candidate(region, chunk, nested, covered, survives=not region.reducing, step_bytes=chunk * per_unit)
 
 
 def choose_chunk(size: int, fits: int) -> int:
