@@ -296,12 +296,15 @@ class Expander:
             index, position, eqn = found
             fn = RULES.get(eqn.primitive.name)
             if fn is not None:
+                looked_through = set(self.internal)
                 try:
                     result = fn(self, eqn, scope, position, labels)
                 except NoMatch as reason:
                     if not scope.is_top:
                         raise
                     self.notes.append(f"{eqn.primitive.name}: {reason}")
+                    for var in set(self.internal) - looked_through:  # the value below is a leaf after all
+                        del self.internal[var]
                 else:
                     if scope.is_top:
                         self.internal.setdefault(atom, Internal(atom, index, aval_nbytes(atom.aval), eqn.primitive.name))
