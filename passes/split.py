@@ -42,15 +42,52 @@ from hlopass.split_region import Infeasible, Region, grow_region, seed_labels, s
 MAX_ROUNDS = 16
 #: An even chunk (dividing the axis) is preferred when at least this fraction of the largest that fits.
 EVEN_CHUNK_FRACTION = 0.8
+#: Times the split is redone with half the sizes while XLA's footprint is over the memory limit.
+MAX_RETRIES = 4
 #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
 LIVE_BUDGET = 1
 CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 class SplitPass(Pass):
-    """Rewrite regions that build a tensor over the threshold only to reduce it into loops over slices."""
+    """Rewrite regions that build a tensor over the threshold only to reduce it into loops over slices.
+
+    With a memory limit, the split program is compiled and XLA's footprint checked (only when a
+    crude upper bound exceeds the limit); while it is over, the split is redone with half the
+    threshold and split size, at most ``MAX_RETRIES`` times, and the report says what remains.
+    """
 
     name = "split"
+
+    def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+        new, report = super().run(closed, config)
+        limit = config.memory_limit
+        if limit is None or config.threshold is None or not report.rewrites or _upper_bound(new) <= limit:
+            return new, report
+        retries: list = []
+        footprint = _footprint(new)
+        current = config
+        while footprint > limit and len(retries) < MAX_RETRIES and current.split_size > 1:
+            smaller = dataclasses.replace(current, threshold=max(1, current.threshold // 2),
+                                          split_size=max(1, current.split_size // 2))
+            retries.append((current, smaller, footprint))
+            new, report = super().run(closed, smaller)
+            footprint, current = _footprint(new), smaller
+        for before, after, seen in retries:
+            report.rewrite("retry", "<memory limit>",
+                           f"XLA footprint {format_size(seen)} over the limit {format_size(limit)}: "
+                           f"split again at threshold {format_size(after.threshold)}, "
+                           f"split size {format_size(after.split_size)}",
+                           footprint=seen, limit=limit, split_size=after.split_size, threshold=after.threshold)
+        if footprint > limit:
+            from hlopass.jaxpr_utils import largest_values
+            remains = ", ".join(f"{ty} ({format_size(n)}, {where})" for ty, n, where in largest_values(new, 3))
+            report.skip("<memory limit>", "split", f"XLA footprint {format_size(footprint)} still over the limit "
+                        f"{format_size(limit)} after {len(retries)} retries; largest values: {remains}")
+        else:
+            report.rewrite("memory_check", "<memory limit>", f"XLA footprint {format_size(footprint)} within "
+                           f"the limit {format_size(limit)}", footprint=footprint, limit=limit)
+        return new, report
 
     def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
         if config.threshold is None or config.split_size is None:
@@ -210,6 +247,23 @@ def _report_split(report: PassReport, jaxpr, plan: LoopPlan, candidate: _Candida
                    largest_after=chunk_bytes, equations=len(region.eqns), nested=candidate.nested,
                    reducers=sorted(jaxpr.eqns[i].primitive.name for i in region.reducing),
                    outputs=len(plan.outputs))
+
+
+def _upper_bound(closed: core.ClosedJaxpr) -> int:
+    """Bytes of every value the program defines (loop bodies once) plus its inputs: XLA cannot need more."""
+    from hlopass.jaxpr_utils import iter_eqns
+    values = sum(aval_nbytes(v.aval) for eqn in iter_eqns(closed) for v in eqn.outvars)
+    return values + sum(aval_nbytes(a) for a in closed.in_avals)
+
+
+def _footprint(closed: core.ClosedJaxpr) -> int:
+    """XLA's temp + argument + output bytes for ``closed`` compiled on its own."""
+    import jax
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    analysis = jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile().memory_analysis()
+    get = lambda name: int(getattr(analysis, name, 0) or 0)  # noqa: E731
+    return (get("temp_size_in_bytes") + get("argument_size_in_bytes") + get("output_size_in_bytes")
+            - get("alias_size_in_bytes"))
 
 
 def inline_custom_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

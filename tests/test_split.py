@@ -304,3 +304,27 @@ def test_large_program_result_is_not_split():
     got, want = split_jit(fn)(a, b), jax.jit(fn)(a, b)
     jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5), got, want)
     assert traced.report is not None
+
+
+# -- the closed loop with the memory limit -------------------------------------------------------
+
+def test_memory_limit_shrinks_the_split_until_xla_fits():
+    from fixtures.attention import attention
+    q, k, v = normal(0, (1, 2, 384, 16)), normal(1, (1, 2, 384, 16)), normal(2, (1, 2, 384, 16))
+    f = hlopass.jit(attention, passes="split", threshold="1MB", memory_limit="350kB")
+    report = f.trace(q, k, v).report
+    retries = [r for r in report.rewrites if r.kind == "retry"]
+    assert retries and retries[-1].details["split_size"] < 1_000_000, report
+    assert any(r.kind == "memory_check" for r in report.rewrites), report
+    np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
+    assert f.memory_checks()[0].footprint <= 350_000
+
+
+def test_memory_limit_out_of_reach_is_reported():
+    from fixtures.attention import attention
+    q, k, v = normal(0, (1, 2, 384, 16)), normal(1, (1, 2, 384, 16)), normal(2, (1, 2, 384, 16))
+    f = hlopass.jit(attention, passes="split", threshold="1MB", memory_limit="50kB")  # below the inputs
+    report = f.trace(q, k, v).report
+    assert len([r for r in report.rewrites if r.kind == "retry"]) == 4
+    assert any("still over the limit" in s.reason for s in report.skipped), report
+    np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
