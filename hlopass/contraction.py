@@ -6,9 +6,11 @@ an output label tuple and the size of every label: ``A @ B @ v`` is
 ``sum(A @ B, axis=1)`` is ``ij,jk,k->i`` with a ones operand for ``k``.
 
 - :func:`extract_networks` finds, in one jaxpr level, maximal trees of
-  ``dot_general``, ``transpose``, ``reduce_sum`` and widening
-  ``convert_element_type`` equations whose intermediate results are used once
-  (an intermediate used anywhere else is a boundary: it becomes an operand).
+  ``dot_general``, ``transpose``, ``reduce_sum``, widening
+  ``convert_element_type`` and size-1-axis reshapes whose intermediate results
+  are used once (an intermediate used anywhere else is a boundary: it becomes
+  an operand, unless :func:`shared_worth_inlining` finds recomputing it in each
+  reader cheaper).
 - :func:`optimal_path` asks opt_einsum's dynamic programming optimiser for the
   order with the fewest multiply-adds, optionally with every intermediate
   under a memory limit.
@@ -212,9 +214,10 @@ def shared_worth_inlining(graph, cost=None, max_candidates: int = 32) -> frozens
     return inline
 
 
-def _optimal_multiply_adds(network: Network) -> int:
+def _optimal_multiply_adds(network: Network) -> float:
     if len(network.operands) > MAX_OPERANDS or network.unsupported:
-        return network.original_multiply_adds
+        # left as written: a shared product it reads would be computed anyway
+        return math.inf if network.shared_eqns else network.original_multiply_adds
     return _cached_optimal_multiply_adds(network.subscripts, tuple(sorted(network.sizes.items())))
 
 
@@ -446,18 +449,19 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
     sizes = {label: size for label, size in network.sizes.items() if label not in batch}
     if memory_limit is not None:
         memory_limit = max(memory_limit // max(network.size(batch), 1), network.size(output - batch))
-    inputs = [i - batch for i in inputs]
+    inputs, output = [i - batch for i in inputs], output - batch
     small = len(inputs) <= MAX_EXPONENTIAL_SEARCH
-    if not small and _has_hyperedges(inputs, output - batch):
-        path = opt_einsum.paths.greedy(inputs, output - batch, sizes, memory_limit)
+    # dp joins only operands that share a summed label; pieces joined by kept
+    # labels alone (or by nothing, after a squeeze) need its outer-product search.
+    connected = _connected(inputs, output)
+    if not small and (not connected or _has_hyperedges(inputs, output)):
+        path = opt_einsum.paths.greedy(inputs, output, sizes, memory_limit)
         return [tuple(step) for step in path]
-    # Axes of size 1 dropped by a squeeze can split a chain into pieces that only
-    # outer products join; small networks then search those too.
-    search_outer = small and not _connected(inputs)
+    search_outer = not connected
     if search_outer:
         inputs = _tie_scalars(inputs, output, sizes)
     optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True, search_outer=search_outer)
-    path = optimizer(inputs, output - batch, sizes, memory_limit)
+    path = optimizer(inputs, output, sizes, memory_limit)
     return [tuple(step) for step in path]
 
 
@@ -466,10 +470,11 @@ def _has_hyperedges(inputs: list[set], output: set) -> bool:
     return any(count + (label in output) > 2 for label, count in counts.items())
 
 
-def _connected(inputs: list[set]) -> bool:
+def _connected(inputs: list[set], output: set) -> bool:
+    """Whether the operands form one piece through labels that get summed."""
     graph = nx.Graph()
     graph.add_nodes_from(range(len(inputs)))
-    for label in set().union(*inputs):
+    for label in set().union(*inputs) - output:
         holders = [k for k, labels in enumerate(inputs) if label in labels]
         graph.add_edges_from(zip(holders, holders[1:]))
     return nx.is_connected(graph)
@@ -494,11 +499,6 @@ def _tie_scalars(inputs: list[set], output: set, sizes: dict) -> list[set]:
             inputs[k].add(tie)
             inputs[partner].add(tie)
     return inputs
-
-
-def as_written_path(n_operands: int) -> Path:
-    """Left-to-right order (for tests and comparisons)."""
-    return [(0, 1)] * (n_operands - 1) if n_operands > 1 else [(0,)]
 
 
 def describe_path(network: Network, path: Path) -> str:

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_tiny_run_reorders_every_chain(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_matrix_chain.py"), "--tiny",
