@@ -33,16 +33,21 @@ class Plan:
 class MatrixChainPass(Pass):
     """Reorders chains of ``dot_general`` s (through transposes, sums and widening casts).
 
-    Matches: maximal trees of ``dot_general``, ``transpose``, ``reduce_sum``
-    and widening ``convert_element_type`` equations whose intermediates are
-    used only inside the tree (matrix-matrix, matrix-vector and batched
-    products; a sum over an axis counts as a product with a ones vector). An
-    intermediate used elsewhere, or returned, is a boundary.
+    Matches: maximal trees of ``dot_general``, ``transpose``, ``reduce_sum``,
+    widening ``convert_element_type`` and reshapes that only add or drop axes
+    of size 1, whose intermediates are used only inside the tree
+    (matrix-matrix, matrix-vector and batched products; a sum over an axis
+    counts as a product with a ones vector). An intermediate that is returned
+    or read by anything else is a boundary; one read by several chains only
+    is recomputed inside each of them when that costs fewer multiply-adds in
+    total, and is a boundary otherwise.
 
     Emits: the same contraction as ``lax.dot_general`` s in the order with the
     fewest multiply-adds (opt_einsum's dynamic programming), with every
     intermediate within the size threshold when one is set and some order
-    allows it. Chains already in such an order are left as they are.
+    allows it. Chains already in such an order are left as they are. Floating
+    types only; a chain whose products ask for different precisions is
+    reported as skipped.
     """
 
     name = "matrix_chain"
@@ -100,10 +105,16 @@ def plan_order(network: Network, threshold_bytes: int | None, force: bool = Fals
     fits_now = limit is None or network.original_peak_bytes <= threshold_bytes
     fits_after = limit is None or peak_after <= threshold_bytes
     cheaper = cost.multiply_adds < network.original_multiply_adds
-    if not force and not (cheaper and (fits_after or not fits_now)) and not (fits_after and not fits_now):
+    if not (force or _better(cheaper, fits_now, fits_after)):
         return None
     return Plan(path, 2 * network.original_multiply_adds, 2 * cost.multiply_adds,
                 network.original_peak_bytes, peak_after)
+
+
+def _better(cheaper: bool, fits_now: bool, fits_after: bool) -> bool:
+    if fits_after and not fits_now:
+        return True  # the order as written breaks the threshold, the new one does not
+    return cheaper and (fits_after or not fits_now)  # fewer multiply-adds, no new breach
 
 
 def _emit(network: Network, path: Path, *values):

@@ -225,7 +225,7 @@ def test_integer_chains_are_left_alone():
     assert_matches_jit(fun, args)
 
 
-def test_threshold_picks_the_cheapest_order_that_fits():
+def test_threshold_picks_the_cheapest_order_that_fits(monkeypatch):
     # (M1 M2) M3 is cheapest (8,000 multiply-adds) but holds a 1x2000 intermediate;
     # M1 (M2 M3) costs 8,004 and its intermediate is 2x2.
     rng = np.random.default_rng(9)
@@ -241,6 +241,9 @@ def test_threshold_picks_the_cheapest_order_that_fits():
     assert entry.details["peak_intermediate_after"] == 16
     assert entry.details["flops_after"] == 2 * 8004
     assert_matches_jit(fun, args, hfun=chain_jit(fun, threshold="1kB"), rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("HLOPASS_TENSOR_SIZE_THRESHOLD", "1kB")  # the same through the environment
+    [entry] = chain_rewrites(chain_jit(fun).trace(*args).report)
+    assert entry.details["peak_intermediate_after"] == 16
 
 
 def test_gradient_inside_the_function():
