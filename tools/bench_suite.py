@@ -66,6 +66,7 @@ class Workload:
     name: str
     fixture: str
     build: Callable[[bool], tuple]
+    columns: tuple[str, ...] = ("plain", "hand", "hlopass")
 
 
 # -- fixtures -----------------------------------------------------------------------------------
@@ -161,17 +162,10 @@ def build_mixflow(tiny: bool):
     return inputs, functions, _settings(tiny), f"B = {B}, D = {D}, T = {T}, M = {M}; hand: forward-over-reverse"
 
 
-def _attention(q, k, v):
-    import jax
-    import jax.numpy as jnp
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
-
-
 def build_attention(tiny: bool):
     import jax
     from jax import lax
-    attention = fixture("attention", "attention", "softmax_attention", "attention_forward") or _attention
+    from fixtures.attention import attention
     b, h, s, d, block = (1, 2, 128, 16, 32) if tiny else (1, 4, 4096, 64, 512)
     rng = _rng(2)
     q, k, v, ct = (rng.standard_normal((b, h, s, d)).astype(np.float32) for _ in range(4))
@@ -190,24 +184,20 @@ def build_attention(tiny: bool):
         out, vjp = jax.vjp(hand_attention, q, k, v)
         return (out, *vjp(ct))
 
-    source = "fixtures" if attention is not _attention else "inline definition (no fixtures/attention.py yet)"
     return (q, k, v, ct), {"plain": forward_backward, "hand": hand, "hlopass": forward_backward}, \
-        _settings(tiny), f"b = {b}, heads = {h}, s = {s:,}, head dim {d}, forward+backward; {source}; " \
+        _settings(tiny), f"b = {b}, heads = {h}, s = {s:,}, head dim {d}, forward+backward; " \
                          f"hand: lax.map over query blocks of {block} with jax.checkpoint"
 
 
 def _sgpr_bound(X, y, Z, log_params):
-    """Titsias's collapsed SGPR bound, squared-exponential kernel, naive broadcast distances."""
+    """Titsias's collapsed SGPR bound on ``fixtures/sgpr.py``'s naive cross-covariance."""
     import jax.numpy as jnp
     from jax.scipy.linalg import cholesky, solve_triangular
+    from fixtures.sgpr import cross_covariance
     lengthscale, variance, noise = jnp.exp(log_params)
-
-    def kernel(a, b):
-        return variance * jnp.exp(-0.5 * jnp.sum(((a[:, None, :] - b[None, :, :]) / lengthscale) ** 2, -1))
-
     n, m = X.shape[0], Z.shape[0]
-    kuf = kernel(Z, X)
-    kuu = kernel(Z, Z) + 1e-5 * jnp.eye(m, dtype=X.dtype)
+    kuf = cross_covariance(X, Z, lengthscale, variance).T
+    kuu = cross_covariance(Z, Z, lengthscale, variance) + 1e-5 * jnp.eye(m, dtype=X.dtype)
     L = cholesky(kuu, lower=True)
     A = solve_triangular(L, kuf, lower=True) / jnp.sqrt(noise)
     AAT = A @ A.T
@@ -220,7 +210,6 @@ def _sgpr_bound(X, y, Z, log_params):
 
 def build_sgpr(tiny: bool):
     import jax
-    bound = fixture("sgpr", "sgpr_bound", "collapsed_bound", "sgpr_elbo") or _sgpr_bound
     n, m, d = (2_000, 20, 3) if tiny else (100_000, 300, 3)
     rng = _rng(3)
     X = rng.uniform(-3, 3, (n, d)).astype(np.float32)
@@ -229,11 +218,11 @@ def build_sgpr(tiny: bool):
     log_params = np.log(np.array([1.0, 1.0, 0.1], np.float32))
 
     def value_and_grad(X, y, Z, log_params):
-        return jax.value_and_grad(bound, argnums=(2, 3))(X, y, Z, log_params)
+        return jax.value_and_grad(_sgpr_bound, argnums=(2, 3))(X, y, Z, log_params)
 
-    source = "fixtures" if bound is not _sgpr_bound else "inline definition (no fixtures/sgpr.py yet)"
     return (X, y, Z, log_params), {"plain": value_and_grad, "hlopass": value_and_grad}, _settings(tiny), \
-        f"n = {n:,}, m = {m} inducing points, d = {d}, bound and gradient; {source}"
+        f"n = {n:,}, m = {m} inducing points, d = {d}; Titsias's collapsed bound and its gradient " \
+        f"(inducing points, hyperparameters) on fixtures/sgpr.py:cross_covariance"
 
 
 def _settings(tiny: bool) -> dict:
@@ -242,16 +231,16 @@ def _settings(tiny: bool) -> dict:
 
 
 WORKLOADS = {
-    "kernel_matvec": Workload("kernel_matvec", "kernels", build_kernel_matvec),
-    "knn_l2": Workload("knn_l2", "knn", _knn_builder("l2")),
-    "knn_l1": Workload("knn_l1", "knn", _knn_builder("l1")),
+    "kernel_matvec": Workload("kernel_matvec", "kernels", build_kernel_matvec, COLUMNS),
+    "knn_l2": Workload("knn_l2", "knn", _knn_builder("l2"), COLUMNS),
+    "knn_l1": Workload("knn_l1", "knn", _knn_builder("l1"), COLUMNS),
     "matrix_chain": Workload("matrix_chain", "chains", build_matrix_chain),
     "mixflow_toy": Workload("mixflow_toy", "mixflow", build_mixflow),
     "attention_fwd_bwd": Workload("attention_fwd_bwd", "attention", build_attention),
-    "sgpr_bound_grad": Workload("sgpr_bound_grad", "sgpr", build_sgpr),
+    "sgpr_bound_grad": Workload("sgpr_bound_grad", "sgpr", build_sgpr, ("plain", "hlopass")),
 }
 #: Workloads that cannot run without their fixture module.
-NEEDS_FIXTURE = {"kernel_matvec", "knn_l2", "knn_l1", "matrix_chain", "mixflow_toy"}
+NEEDS_FIXTURE = set(WORKLOADS)
 
 
 def workload_available(name: str) -> str | None:
@@ -335,15 +324,20 @@ def sample_difference(a: list[list[float]], b: list[list[float]]) -> float | Non
     return worst
 
 
-def run_suite(names: list[str], tiny: bool, repeats: int, cap_bytes: int, echo=print) -> list[dict]:
-    """Measure every column of every workload in ``names``; returns one row per measurement."""
+def run_suite(names: list[str], tiny: bool, repeats: int, cap_bytes: int, echo=print,
+              keops: bool = True) -> list[dict]:
+    """Measure every column of every workload in ``names``; returns one row per measurement.
+
+    The KeOps column runs when ``keops`` and ``pykeops`` imports (its first call
+    compiles C++ for each formula, about half a minute each, cached afterwards).
+    """
     plan = []
     for name in names:
         reason = workload_available(name)
         if reason:
             echo(f"  skipping {name}: {reason}")
             continue
-        columns = [c for c in COLUMNS if c != "keops" or _keops_lazy() is not None]
+        columns = [c for c in WORKLOADS[name].columns if c != "keops" or (keops and _keops_lazy() is not None)]
         plan.append((name, columns))
     specs = [f"{name}:{column}" for name, columns in plan for column in columns]
     # one process per measurement; --tiny runs them all in one process (seconds, no per-column RSS)
@@ -525,6 +519,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write results.json's content to this path")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 5, tiny 2)")
     parser.add_argument("--cap", default=DEFAULT_CAP, help=f"address-space cap per child (default {DEFAULT_CAP})")
+    parser.add_argument("--no-keops", action="store_true", help="leave out the KeOps column even if installed")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # workload:column,... to measure in this process
     options = parser.parse_args(argv)
     repeats = options.repeats or (2 if options.tiny else 5)
@@ -539,7 +534,7 @@ def main(argv=None) -> int:
     print(f"hlopass benchmark suite{' (--tiny)' if options.tiny else ''}: {len(names)} workload(s), "
           f"{where}, capped at {options.cap} of address space", flush=True)
     echo = functools.partial(print, flush=True)
-    rows = run_suite(names, options.tiny, repeats, parse_size(options.cap, "--cap"), echo)
+    rows = run_suite(names, options.tiny, repeats, parse_size(options.cap, "--cap"), echo, keops=not options.no_keops)
     descriptions = {r["workload"]: r["description"] for r in rows if r.get("description")}
     written = write_outputs(rows, options.out, options.tiny, descriptions)
     if options.json:
