@@ -166,9 +166,13 @@ def test_float64_and_batched():
     with jax.enable_x64(True):
         args = small_toy(5, 7, dtype=jnp.float64)
         task = mf.toy_task(2, "scan", lr=1.0)
+        expected = jax.jit(task)(*args)
         got = hlopass.jit(task, passes="hvp")(*args)
         assert got.dtype == jnp.float64
-        assert rel_err(got, jax.jit(task)(*args)) < 1e-10
+        assert rel_err(got, expected) < 1e-10
+        got = jax.jit(jax.grad(hlopass.jit(mf.toy_meta_loss(2, "scan", lr=1.0), passes="hvp")))(*args)
+        assert got.dtype == jnp.float64
+        assert rel_err(got, expected) < 1e-10
     # a batch of tasks: vmap over the meta-gradient
     batch = [small_toy()[0] * s for s in (1.0, 0.5, 2.0)]
     params = jnp.stack(batch)
@@ -176,6 +180,9 @@ def test_float64_and_batched():
     task = mf.toy_task(2, "loop", lr=1.0)
     got = jax.vmap(hlopass.jit(task, passes="hvp"), in_axes=(0, None, None, None, None))(params, *rest)
     expected = jax.jit(jax.vmap(task, in_axes=(0, None, None, None, None)))(params, *rest)
+    assert rel_err(got, expected) < RTOL
+    form2 = jax.grad(hlopass.jit(mf.toy_meta_loss(2, "loop", lr=1.0), passes="hvp"))
+    got = jax.jit(jax.vmap(form2, in_axes=(0, None, None, None, None)))(params, *rest)
     assert rel_err(got, expected) < RTOL
 
 
