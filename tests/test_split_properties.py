@@ -1,0 +1,77 @@
+"""Property tests: random programs of supported primitives, random shapes (primes included) and
+random small thresholds; the split program and its gradients equal ``jax.jit`` of the original."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import hlopass
+
+SIZES = st.sampled_from([53, 97, 128, 131, 199, 210, 257, 307])
+
+PAIRWISE = {
+    "dot": lambda x, y: x @ y.T,
+    "sq_dist": lambda x, y: jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, axis=-1),
+    "l1": lambda x, y: jnp.sum(jnp.abs(x[:, None, :] - y[None, :, :]), axis=-1),
+}
+ELEMENTWISE = {
+    "sin": jnp.sin,
+    "gauss": lambda a: jnp.exp(-0.5 * a * a),
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+    "where": lambda a: jnp.where(a > 0, a, 0.3 * a),
+    "softplus": jax.nn.softplus,
+    "square": lambda a: a ** 2,
+}
+#: name -> (reducer(a, v_rows, v_cols), differentiable)
+REDUCERS = {
+    "sum0": (lambda a, u, v: jnp.sum(a, axis=0), True),
+    "sum1": (lambda a, u, v: jnp.sum(a, axis=1), True),
+    "sum": (lambda a, u, v: jnp.sum(a), True),
+    "max1": (lambda a, u, v: jnp.max(a, axis=1), True),
+    "min0": (lambda a, u, v: jnp.min(a, axis=0), True),
+    "matvec": (lambda a, u, v: a @ v, True),
+    "vecmat": (lambda a, u, v: u @ a, True),
+    "softmax_matvec": (lambda a, u, v: jax.nn.softmax(a, axis=1) @ v, True),
+    "logsumexp": (lambda a, u, v: jax.nn.logsumexp(a, axis=0), True),
+    "argmax1": (lambda a, u, v: jnp.argmax(a, axis=1), False),
+    "argmin0": (lambda a, u, v: jnp.argmin(a, axis=0), False),
+    "top_k": (lambda a, u, v: lax.top_k(a, 3), False),
+}
+
+
+def build(pairwise, chain, reducer):
+    def program(x, y, u, v):
+        a = PAIRWISE[pairwise](x, y)
+        for name in chain:
+            a = ELEMENTWISE[name](a)
+        return REDUCERS[reducer][0](a, u, v)
+    return program
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking recompiles for minutes
+@given(n=SIZES, m=SIZES, d=st.integers(1, 4), pairwise=st.sampled_from(sorted(PAIRWISE)),
+       chain=st.lists(st.sampled_from(sorted(ELEMENTWISE)), max_size=3), reducer=st.sampled_from(sorted(REDUCERS)),
+       fraction=st.floats(0.05, 0.6), seed=st.integers(0, 2**16))
+def test_random_programs_match_jax_jit(n, m, d, pairwise, chain, reducer, fraction, seed):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x, y = jax.random.normal(keys[0], (n, d)), jax.random.normal(keys[1], (m, d))
+    u, v = jax.random.normal(keys[2], (n,)), jax.random.normal(keys[3], (m,))
+    program = build(pairwise, chain, reducer)
+    largest = n * m * d * 4 if pairwise != "dot" else n * m * 4
+    threshold = max(4_096, int(largest * fraction))
+    f = hlopass.jit(program, passes="split", threshold=threshold)
+    assert f.trace(x, y, u, v).report.rewrites, (n, m, d, pairwise, chain, reducer, threshold)
+    got, want = f(x, y, u, v), jax.jit(program)(x, y, u, v)
+    def close(g, w):  # float32 reordering: relative to the largest magnitude
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w), initial=1.0)))
+    jax.tree_util.tree_map(close, got, want)
+    if REDUCERS[reducer][1]:
+        loss = lambda fn: lambda x, y, v: jnp.sum(jnp.sin(fn(x, y, u, v)))  # noqa: E731
+        grads = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(x, y, v)
+        want_grads = jax.jit(jax.grad(loss(program), argnums=(0, 1, 2)))(x, y, v)
+        jax.tree_util.tree_map(close, grads, want_grads)
