@@ -22,8 +22,10 @@ replaced by one ``jax.custom_vjp`` call:
   the backward rule, but not forward-over-reverse).
 
 A gradient output is matched to the parameter it differentiates by type:
-the region input with the same shape and dtype that the loss reads. When two
-inputs qualify, the region is left alone (it would be a guess).
+the region input with the same shape and dtype that the loss reads. When
+several inputs qualify, the one for which ``jax.grad`` of the rebuilt loss
+transposes the same operations as the region does is taken; when that does
+not single one out either, the region is left alone (it would be a guess).
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
     for g in grads:
         matches = [k for k, v in enumerate(inputs)
                    if _float_aval(v.aval) and _same_type(v.aval, g.aval) and v in loss_inputs]
+        if len(matches) > 1 and loss is not None and len(grads) == 1:
+            matches = _matching_derivations(jaxpr, region, inputs, loss, matches)
         if len(matches) != 1:
             return (f"cannot tell which input the gradient {g.aval.str_short()} belongs to "
                     f"({len(matches)} candidates of that type)")
@@ -177,6 +181,36 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
         return "two gradients match the same input"
     anchor = jaxpr.eqns[region.forward[0]]
     return RegionPlan(region, inputs, grads, params, value, loss, extras, source_line(anchor))
+
+
+def _backward_signature(eqns) -> list[str]:
+    """The primitives of the backward (transposed) equations, constants left out."""
+    return [eqn.primitive.name for eqn in eqns if _role(eqn) == BACKWARD and not _constant(eqn)]
+
+
+def _matching_derivations(jaxpr, region: Region, inputs, loss, candidates: list[int]) -> list[int]:
+    """The candidates k for which ``jax.grad`` of the rebuilt loss w.r.t. input k transposes the same
+    primitives, in the same order, as the region's backward run.
+
+    Differentiating with respect to another input of the same type transposes
+    a different set of the loss's operations, so at most the true parameter
+    matches unless the loss treats the candidates symmetrically (then all
+    match and the region is left alone).
+    """
+    target = _backward_signature([jaxpr.eqns[i] for i in region.backward])
+    evaluate = _as_function([jaxpr.eqns[i] for i in region.forward], inputs, [loss])
+    avals = [v.aval for v in inputs]
+    found = []
+    for k in candidates:
+        def grad_k(*args, k=k):
+            return jax.grad(lambda x: evaluate(*_replace(args, [k], [x]))[0])(args[k])
+        try:
+            derived = jax.make_jaxpr(grad_k)(*avals)
+        except Exception:  # noqa: BLE001 - a candidate that cannot be derived does not match
+            continue
+        if _backward_signature(derived.jaxpr.eqns) == target:
+            found.append(k)
+    return found
 
 
 def _inputs_read_by(jaxpr, forward: list[int], loss, inputs) -> set:

@@ -87,6 +87,21 @@ def test_ambiguous_parameter_left_alone_and_correct():
     assert any("cannot tell which input" in reason for reason in hvp_regions.SKIPPED)
 
 
+def test_same_typed_meta_parameters_told_apart():
+    """iMAML-style: eta has theta's shape and enters the inner loss; the derivation tells them apart."""
+    args = small_toy(T=3)
+    expected = jax.jit(jax.grad(mf.imaml_meta_loss()))(*args)
+    handwritten = jax.jit(jax.grad(mf.imaml_meta_loss(mode="fwdrev")))
+    closed = jax.make_jaxpr(mf.imaml_meta_loss())(*args)
+    assert linearize_hook(closed, None) is not closed
+    for fn in (hlopass.jit(jax.grad(mf.imaml_meta_loss()), passes="hvp"),
+               jax.jit(jax.grad(hlopass.jit(mf.imaml_meta_loss(), passes="hvp")))):
+        compiled = fn.lower(*args).compile()
+        assert rel_err(compiled(*args), expected) < RTOL
+        assert compiled.memory_analysis().temp_size_in_bytes <= 1.25 * (
+            handwritten.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
 # -- still true after the rewrite ------------------------------------------------------------------
 
 @pytest.mark.slow
