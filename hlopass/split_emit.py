@@ -48,6 +48,16 @@ class LoopPlan:
     refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
 
     @property
+    def carried(self) -> list:
+        """Values carried by the loop: the outputs, then a ``top_k``'s other result when only one is
+        used (the merge needs values and indices)."""
+        hidden = []
+        for i, monoid in self.region.reducing.items():
+            if monoid == "top_k":
+                hidden += [v for v in self.jaxpr.eqns[i].outvars if v not in self.outputs and v not in hidden]
+        return list(self.outputs) + hidden
+
+    @property
     def input_vars(self) -> list[core.Var]:
         return list(dict.fromkeys(var for var, _ in self.inputs))
 
@@ -94,8 +104,8 @@ class LoopPlan:
             env.update(zip(eqn.outvars, outs))
             if extra is not None:
                 extras[eqn.outvars[0]] = extra
-        results = [env[v] for v in self.outputs]
-        results += [extras[v] for v in self.outputs if v in extras]
+        results = [env[v] for v in self.carried]
+        results += [extras[v] for v in self.carried if v in extras]
         return results
 
     def _bind(self, i: int, eqn, invals, start, size: int):
@@ -145,15 +155,15 @@ class LoopPlan:
         size, chunk = self.region.size, self.chunk
         full, remainder = divmod(size, chunk)
         step = self.step_function(chunk)
-        arg_outputs = [v for v in self.outputs if self._is_arg_reduced(v)]
-        has_top_k = any(self._monoid_or_none(v) == "top_k" for v in self.outputs)
+        arg_outputs = [v for v in self.carried if self._is_arg_reduced(v)]
+        has_top_k = any(self._monoid_or_none(v) == "top_k" for v in self.carried)
 
         def accumulate(state, start, partial):
             new_state = list(state)
-            n = len(self.outputs)
+            n = len(self.carried)
             extras = dict(zip(arg_outputs, partial[n:]))
             top_k_done = set()
-            for k, var in enumerate(self.outputs):
+            for k, var in enumerate(self.carried):
                 axis = self.output_axis(var)
                 if axis is not None:
                     new_state[k] = lax.dynamic_update_slice_in_dim(state[k], partial[k].astype(state[k].dtype),
@@ -200,7 +210,7 @@ class LoopPlan:
     def _initial_state(self, first) -> list:
         """Buffers for axis outputs, identities for accumulators; the first step's values if given."""
         state = []
-        for k, var in enumerate(self.outputs):
+        for k, var in enumerate(self.carried):
             aval = var.aval
             if first is not None and self._monoid_or_none(var) is not None:
                 state.append(first[k])
@@ -214,8 +224,8 @@ class LoopPlan:
                 state.append(jnp.zeros(aval.shape, aval.dtype))
             else:
                 state.append(jnp.full(aval.shape, identity(self.monoid_of(var), aval.dtype), aval.dtype))
-        n = len(self.outputs)
-        for m, var in enumerate(v for v in self.outputs if self._is_arg_reduced(v)):
+        n = len(self.carried)
+        for m, var in enumerate(v for v in self.carried if self._is_arg_reduced(v)):
             if first is not None:
                 state.append(first[n + m])
                 continue
@@ -227,9 +237,7 @@ class LoopPlan:
 
     def _top_k_merge(self, i: int, state, new_state, partial) -> None:
         eqn = self.jaxpr.eqns[i]
-        slots = [self.outputs.index(v) if v in self.outputs else None for v in eqn.outvars]
-        if slots[0] is None or slots[1] is None:
-            raise NotImplementedError("top_k with an unused result")  # the pass never plans this
+        slots = [self.carried.index(v) if v in self.carried else None for v in eqn.outvars]
         axis = eqn.params.get("axis", len(eqn.outvars[0].aval.shape) - 1)
         values = jnp.concatenate([state[slots[0]], partial[slots[0]]], axis=axis)
         indices = jnp.concatenate([state[slots[1]], partial[slots[1]]], axis=axis)

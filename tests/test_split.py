@@ -169,6 +169,18 @@ def test_top_k_split_along_its_own_axis_with_ties():
     assert done[0].details["reducers"] == ["top_k"]
 
 
+def test_top_k_values_only_along_its_own_axis():
+    a, b = normal(0, (3, 5)), normal(1, (20_011, 5))
+    check(lambda a, b: lax.top_k(jnp.sin(a @ b.T), 4)[0], a, b, threshold=100_000)
+
+
+def test_cumsum_along_another_axis_is_split_through():
+    a, b = normal(0, (211, 5)), normal(1, (307, 5))
+    fn = lambda a, b: jnp.sum(jnp.cumsum(jnp.sin(a @ b.T), axis=1) ** 2, axis=1)
+    done = check(fn, a, b, threshold=100_000, rtol=1e-4, atol=1e-3)
+    assert done[0].details["equations"] >= 4  # dot, sin, cumsum, square and sum in one loop over rows
+
+
 def test_knn_l2_and_l1_same_neighbours():
     q, p = normal(0, (301, 7)), normal(1, (503, 7))
     for knn in (knn_l2, knn_l1):
