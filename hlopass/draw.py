@@ -48,7 +48,7 @@ LOOP_PRIMITIVES = ("while", "scan")
 COLLAPSE_MIN = 3
 #: Above this many nodes, the size filter hides the smallest equations.
 MAX_NODES = 80
-#: Sub-jaxprs are drawn this deep; deeper ones are summarised in their cluster's title.
+#: Sub-jaxprs are drawn this deep; deeper ones appear as their cluster's node only.
 MAX_DEPTH = 3
 #: Equations with outputs this small (scalar index arithmetic of loops) are hidden by default.
 SCALAR_BYTES = 64
@@ -109,8 +109,13 @@ def _chains(jaxpr: core.Jaxpr) -> dict[int, int]:
     return head
 
 
-def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefix: str = "n") -> Level:
-    """The drawable view of ``jaxpr``: chains collapsed, sub-jaxprs as nested levels."""
+def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefix: str = "n",
+                inside_rewrite: bool = False) -> Level:
+    """The drawable view of ``jaxpr``: chains collapsed, sub-jaxprs as nested levels.
+
+    Equations at a source line in ``rewritten_at`` are highlighted, and so is
+    everything inside a loop emitted there (``inside_rewrite``).
+    """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     nodes: dict[str, Node] = {}
     edges: dict[tuple[str, str], tuple[str, int]] = {}
@@ -130,10 +135,10 @@ def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefi
         location = source_line(eqn)
         out_bytes = max((aval_nbytes(v.aval) for v in eqn.outvars), default=0)
         if key not in nodes:
-            nodes[key] = _equation_node(key, eqn, location, chain, jaxpr, depth, rewritten_at)
+            nodes[key] = _equation_node(key, eqn, location, chain, depth, rewritten_at, inside_rewrite)
         node = nodes[key]
         node.nbytes = max(node.nbytes, out_bytes)
-        node.highlighted |= location in rewritten_at
+        node.highlighted |= inside_rewrite or location in rewritten_at
         if len(chain) >= COLLAPSE_MIN and i == chain[-1]:
             names = [jaxpr.eqns[j].primitive.name for j in chain]
             outs = ", ".join(aval_str(v.aval) for v in eqn.outvars)
@@ -153,7 +158,7 @@ def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefi
     return Level(title, nodes, edges)
 
 
-def _equation_node(key, eqn, location, chain, jaxpr, depth, rewritten_at) -> Node:
+def _equation_node(key, eqn, location, chain, depth, rewritten_at, inside_rewrite) -> Node:
     outs = ", ".join(aval_str(v.aval) for v in eqn.outvars)
     name = eqn.primitive.name
     if len(chain) >= COLLAPSE_MIN:
@@ -163,8 +168,9 @@ def _equation_node(key, eqn, location, chain, jaxpr, depth, rewritten_at) -> Nod
         title = f"{'loop: ' if name in LOOP_PRIMITIVES else ''}{name}{_loop_extent(eqn)}\n-> {outs}\n{location}"
         node = Node(key, title, kind="cluster")
         if depth < MAX_DEPTH:
+            new_loop = inside_rewrite or location in rewritten_at
             node.sub = [build_level(sub, f"{name} body {k}" if len(subs) > 1 else f"{name} body",
-                                    rewritten_at, depth + 1, f"{key}_{k}") for k, sub in enumerate(subs)]
+                                    rewritten_at, depth + 1, f"{key}_{k}", new_loop) for k, sub in enumerate(subs)]
         return node
     return Node(key, f"{name}\n-> {outs}\n{location}")
 
@@ -260,8 +266,9 @@ def _add_level(graph, level: Level, large_bytes: int | None) -> None:
                     with cluster.subgraph(name=f"cluster_{key}_{k}") as inner:
                         inner.attr(label=sub.title, style="dashed", color="#3366cc", fillcolor="white")
                         _add_level(inner, sub, large_bytes)
-                        for entry in (n for n in sub.nodes if n.endswith(("_in0",))):
-                            inner.edge(key, entry, style="dotted", arrowhead="none")
+                        first_input = f"{key}_{k}_in0"
+                        if first_input in sub.nodes:
+                            inner.edge(key, first_input, style="dotted", arrowhead="none")
             continue
         graph.node(key, **attrs)
     for (src, dst), (type_text, nbytes) in level.edges.items():

@@ -211,3 +211,13 @@ def test_dump_to_with_dump_format_draws_pictures(tmp_path, monkeypatch):
     assert jnp.allclose(result, expected, rtol=1e-5)
     pictures = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "*" / "*.svg")))
     assert pictures == ["graph_after.svg", "graph_before.svg", "memory.svg"]
+
+
+def test_everything_inside_a_loop_emitted_by_a_rewrite_is_highlighted(explanation):
+    level = draw.build_level(explanation.rewritten_jaxpr, "after", draw.rewritten_locations(explanation.report))
+    loop = next(n for n in level.nodes.values() if n.kind == "cluster")
+    assert loop.highlighted and loop.sub
+    body_equations = [n for n in loop.sub[0].nodes.values() if n.kind in ("eqn", "chain")]
+    assert body_equations and all(n.highlighted for n in body_equations)
+    untouched = draw.build_level(explanation.rewritten_jaxpr, "after", set())
+    assert not any(n.highlighted for n in draw._all_nodes(untouched))
