@@ -8,7 +8,6 @@ threshold (2 kB) sits between the n x m output and the n x m x d tensor.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp

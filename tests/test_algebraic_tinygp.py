@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 
-from tests.test_algebraic import algebraic, assert_close, big, check_values_and_grads, kinds, normal, precision
+from tests.test_algebraic import (algebraic, assert_close, big, check_values_and_grads, kinds, normal, precision,
+                                  stablehlo_max_bytes)
 
 tinygp = pytest.importorskip("tinygp")
 
@@ -44,5 +44,4 @@ def test_gp_log_likelihood_matches():
     assert_close(compiled(x, y), jax.jit(loglik)(x, y))
     assert_close(jax.grad(compiled)(x, y), jax.jit(jax.grad(loglik))(x, y))
     assert "squared_distance" in kinds(compiled, x, y)
-    from tests.test_algebraic import stablehlo_max_bytes
     assert stablehlo_max_bytes(compiled, x, y) < big("float32", N, N, D)
