@@ -17,9 +17,11 @@ replaced by one ``jax.custom_vjp`` call:
   other differentiable inputs u (meta-parameters, loss weights), ``jax.jvp``
   of the gradient of the loss with respect to u (the loss rebuilt from the
   forward run, see :func:`_loss_function`), in the same direction: the mixed
-  second derivatives ``d2L/du dtheta . ct``. Without an identifiable loss
-  value, those come from a local VJP of the region (correct, recomputed in
-  the backward rule, but not forward-over-reverse).
+  second derivatives ``d2L/du dtheta . ct``. The loss is trusted only if
+  ``jax.grad`` of it transposes the same operations as the region does (a
+  custom_jvp rule inside it, say, would not); otherwise those products come
+  from a local VJP of the region (correct, recomputed in the backward rule,
+  but not forward-over-reverse).
 
 A gradient output is matched to the parameter it differentiates by type:
 the region input with the same shape and dtype that the loss reads. When
@@ -179,6 +181,11 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
         params.append(matches[0])
     if len(set(params)) != len(params):
         return "two gradients match the same input"
+    if loss is not None and not _derives_region(jaxpr, region, inputs, loss, params):
+        # not provably the loss (or it holds custom_jvp rules): no mixed products from it
+        loss = None
+        value = None
+        extras = forward_out
     anchor = jaxpr.eqns[region.forward[0]]
     return RegionPlan(region, inputs, grads, params, value, loss, extras, source_line(anchor))
 
@@ -186,6 +193,21 @@ def plan_region(jaxpr: core.Jaxpr, region: Region) -> RegionPlan | str:
 def _backward_signature(eqns) -> list[str]:
     """The primitives of the backward (transposed) equations, constants left out."""
     return [eqn.primitive.name for eqn in eqns if _role(eqn) == BACKWARD and not _constant(eqn)]
+
+
+def _derives_region(jaxpr, region: Region, inputs, loss, params: list[int]) -> bool:
+    """Whether ``jax.grad`` of the rebuilt loss w.r.t. ``params`` transposes what the region does."""
+    target = _backward_signature([jaxpr.eqns[i] for i in region.backward])
+    evaluate = _as_function([jaxpr.eqns[i] for i in region.forward], inputs, [loss])
+
+    def grads(*args):
+        return jax.grad(lambda *ps: evaluate(*_replace(args, params, ps))[0],
+                        argnums=tuple(range(len(params))))(*(args[p] for p in params))
+    try:
+        derived = jax.make_jaxpr(grads)(*[v.aval for v in inputs])
+    except Exception:  # noqa: BLE001 - what cannot be re-derived is not trusted
+        return False
+    return _backward_signature(derived.jaxpr.eqns) == target
 
 
 def _matching_derivations(jaxpr, region: Region, inputs, loss, candidates: list[int]) -> list[int]:

@@ -102,6 +102,38 @@ def test_same_typed_meta_parameters_told_apart():
             handwritten.lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
+@jax.custom_jvp
+def damped(x):
+    """Identity whose derivative is declared as 0.5 (a custom rule the primal ops do not show)."""
+    return x
+
+
+damped.defjvp(lambda primals, tangents: (primals[0], 0.5 * tangents[0]))
+
+
+def test_custom_jvp_in_inner_loss_is_respected():
+    """The loss rebuilt from primal ops would miss the custom rule: it must not be trusted for mixed products."""
+    def meta_loss(meta, x, t):
+        theta, eta = meta
+
+        def inner(theta):
+            return jnp.mean((jnp.tanh(x @ theta) - t) ** 2) + jnp.sum(damped(theta * eta) ** 2)
+
+        theta = theta - 0.5 * jax.grad(inner)(theta)
+        return jnp.mean((jnp.tanh(x @ theta) - t) ** 2)
+
+    rng = np.random.default_rng(3)
+    meta = (jnp.asarray(rng.standard_normal((5, 3)) / 3, jnp.float32), jnp.asarray(rng.standard_normal(3), jnp.float32))
+    x, t = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((4, 5), (4, 3)))
+    expected = jax.jit(jax.grad(meta_loss))(meta, x, t)
+    assert rel_err(jax.jit(jax.grad(hlopass.jit(meta_loss, passes="hvp")))(meta, x, t), expected) < RTOL
+    assert rel_err(hlopass.jit(jax.grad(meta_loss), passes="hvp")(meta, x, t), expected) < RTOL
+    from hlopass.interpreter import inline_calls
+    flat = inline_calls(jax.make_jaxpr(meta_loss)(meta, x, t))
+    plans = [hvp_regions.plan_region(flat.jaxpr, r) for r in hvp_regions.find_regions(flat.jaxpr)]
+    assert plans and all(not isinstance(p, str) and p.loss is None for p in plans)
+
+
 # -- still true after the rewrite ------------------------------------------------------------------
 
 @pytest.mark.slow
