@@ -102,7 +102,6 @@ class _Candidate:
     nested: bool
     covered: int      # bytes of large values the region keeps out of memory
     survives: bool    # the split axis reaches the results (no accumulation)
-
     step_bytes: int   # the largest value of one iteration
 
     def key(self):
@@ -133,7 +132,7 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport) ->
 
 def _plan_round(jaxpr, graph, config: Config, report: PassReport):
     plans: list[LoopPlan] = []
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, int, str]] = []  # (seed, blocking equation, reason)
     claimed: set[int] = set()
     for seed in reversed(seeds(jaxpr, config.threshold)):  # the last reducer covers the longest chain
         if seed in claimed:

@@ -115,11 +115,17 @@ def run(tiny: bool, repeats: int) -> list[dict]:
             "jit_s": plain["seconds"], "split_s": split["seconds"], "map_s": mapped["seconds"],
             "jit_temp": plain["temp"], "split_temp": split["temp"], "map_temp": mapped["temp"],
             "time_ratio": split["seconds"] / plain["seconds"], "map_time_ratio": mapped["seconds"] / plain["seconds"],
-            "mem_ratio": split["temp"] / max(plain["temp"], 1), "map_mem_ratio": mapped["temp"] / max(plain["temp"], 1),
+            # XLA:CPU reports 0 temp bytes for some plain programs (attention): no ratio then
+            "mem_ratio": split["temp"] / plain["temp"] if plain["temp"] else None,
+            "map_mem_ratio": mapped["temp"] / plain["temp"] if plain["temp"] else None,
             "split_err": _max_error(split["result"], plain["result"]),
             "map_err": _max_error(mapped["result"], plain["result"]),
         })
     return rows
+
+
+def _ratio(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _table(rows: list[dict]) -> str:
@@ -130,12 +136,13 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['workload']} | {r['jit_s']:.4f} | {r['split_s']:.4f} | {r['time_ratio']:.2f} | "
                      f"{r['map_s']:.4f} | {r['map_time_ratio']:.2f} | {format_size(r['jit_temp'])} | "
-                     f"{format_size(r['split_temp'])} | {r['mem_ratio']:.3f} | {format_size(r['map_temp'])} | "
+                     f"{format_size(r['split_temp'])} | {_ratio(r['mem_ratio'])} | {format_size(r['map_temp'])} | "
                      f"{r['split_err']:.1e} |")
     ratios = [r["time_ratio"] for r in rows]
     lines.append(f"\nmedian time ratio split/jax.jit: {statistics.median(ratios):.2f} "
                  f"(lax.map/jax.jit: {statistics.median(r['map_time_ratio'] for r in rows):.2f}); "
-                 f"median memory ratio split/jax.jit: {statistics.median(r['mem_ratio'] for r in rows):.3f}")
+                 f"median memory ratio split/jax.jit: "
+                 f"{_ratio(statistics.median(r['mem_ratio'] for r in rows if r['mem_ratio'] is not None))}")
     return "\n".join(lines)
 
 
