@@ -249,7 +249,7 @@ def test_user_vjp_idiom_form1():
 
 
 @pytest.mark.slow
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(M=st.integers(1, 2), lr=st.floats(0.1, 2.0), variant=st.sampled_from(["loop", "scan"]),
        seed=st.integers(0, 1000))
 def test_property_toy_matches_default(M, lr, variant, seed):

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the rows to this file")
     opts = parser.parse_args(argv)
     if opts.tiny:
-        Ms, B, D, repeats = opts.M or [2], 8, 16, 1
+        Ms, B, D, repeats = opts.M or [1], 8, 16, 1
     else:
         Ms, B, D, repeats = opts.M or [2, 4, 8, 16], opts.B, opts.D, opts.repeats
     rows = run(Ms, opts.variant, B, D, opts.T, repeats)
