@@ -334,3 +334,21 @@ def test_a_new_identity_is_one_small_rule():
         assert_close(compiled(x, y), jax.jit(fun)(x, y))
     finally:
         del patterns.RULES["test_triple"]
+
+
+def test_composes_with_split_in_the_default_pipeline():
+    """The distance becomes n x m; splitting then bounds that by the threshold; numbers and gradients hold."""
+    from hlopass.registry import available_passes
+    if "split" not in available_passes():
+        pytest.skip("no split pass in this checkout")
+    q, p = points("float32", n=97, m=89)
+    v = normal(3, (89,), jnp.float32)
+    compiled = hlopass.jit(kernels.kernel_matvec, threshold="8kB")
+    done = [r.kind for r in compiled.trace(q, p, v).report.rewrites]
+    assert "squared_distance" in done and "split" in done
+    assert_close(compiled(q, p, v), jax.jit(kernels.kernel_matvec)(q, p, v))
+    assert stablehlo_max_bytes(compiled, q, p, v) <= 8_000
+    grad = jax.jit(jax.grad(lambda *a: compiled(*a).sum(), (0, 1, 2)))
+    want = jax.jit(jax.grad(lambda *a: kernels.kernel_matvec(*a).sum(), (0, 1, 2)))(q, p, v)
+    for got, expected in zip(grad(q, p, v), want):
+        assert_close(got, expected)
