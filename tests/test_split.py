@@ -57,10 +57,11 @@ def check(fn, *args, threshold=SPLIT, split_size=None, rtol=1e-5, atol=1e-5, bou
         assert entry.details["chunk_bytes"] <= split_size or entry.details["nested"]
         assert entry.details["largest_before"] > threshold
         assert entry.location != "<unknown>"
+    lowered = f.lower(*args)
     if bounded:  # an input larger than the split size may still be copied whole (e.g. given a unit axis)
         largest_input = max(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves(args))
-        assert max_tensor_bytes(f.lower(*args).compiler_ir("stablehlo")) <= max(split_size, largest_input)
-    got, want = f(*args), jax.jit(fn)(*args)
+        assert max_tensor_bytes(lowered.compiler_ir("stablehlo")) <= max(split_size, largest_input)
+    got, want = lowered.compile()(*args), jax.jit(fn)(*args)
     jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=rtol, atol=atol), got, want)
     return done
 

@@ -4,6 +4,7 @@ random small thresholds; the split program and its gradients equal ``jax.jit`` o
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -52,6 +53,7 @@ def build(pairwise, chain, reducer):
     return program
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # shrinking recompiles for minutes
 @given(n=SIZES, m=SIZES, d=st.integers(1, 4), pairwise=st.sampled_from(sorted(PAIRWISE)),
