@@ -31,7 +31,7 @@ from jax._src import core
 from hlopass.config import Config
 from hlopass.graph import DataflowGraph
 from hlopass.interpreter import Replacement, evaluate, rewrite
-from hlopass.jaxpr_utils import aval_nbytes, aval_str
+from hlopass.jaxpr_utils import CALL_PRIMITIVES, aval_nbytes, aval_str
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
@@ -266,9 +266,9 @@ def _footprint(closed: core.ClosedJaxpr) -> int:
 
 
 def inline_custom_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
-    """Inline ``custom_jvp_call``/``custom_vjp_call`` bodies: passes run after differentiation,
-    so only the primal computation matters and its equations become splittable."""
-    if not any(e.primitive.name in CUSTOM_CALLS for e in closed.jaxpr.eqns):
+    """Inline ``custom_jvp_call``/``custom_vjp_call`` bodies (passes run after differentiation, so
+    only the primal computation matters) and nested ``pjit`` calls: their equations become splittable."""
+    if not any(e.primitive.name in CUSTOM_CALLS + CALL_PRIMITIVES for e in closed.jaxpr.eqns):
         return closed
 
     def inline(eqn, invals):
@@ -280,4 +280,4 @@ def inline_custom_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
         body = body if isinstance(body, core.ClosedJaxpr) else core.ClosedJaxpr(body, ())
         return evaluate(body.jaxpr, body.consts, invals, eqn_rule=inline, inline_calls=True)
 
-    return rewrite(closed, eqn_rule=inline)
+    return rewrite(closed, eqn_rule=inline, inline_calls=True)

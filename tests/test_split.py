@@ -278,6 +278,15 @@ def test_nested_split_when_one_axis_is_not_enough():
     assert done[1].details["reducers"] == ["top_k"]  # the points of one query, merged
 
 
+def test_split_inside_a_scan_body_through_a_nested_jit():
+    def fn(xs, y, v):
+        def step(total, x):
+            return total + jax.jit(kernel_matvec)(x, y, v).sum(), None
+        return lax.scan(step, 0.0, xs)[0]
+    xs, y, v = normal(0, (3, 401, 3)), normal(1, (499, 3)), normal(2, (499,))
+    check(fn, xs, y, v, threshold=500_000, rtol=1e-4, bounded=False)
+
+
 # -- what is left alone ------------------------------------------------------------------------
 
 def test_small_programs_are_untouched():
