@@ -259,8 +259,8 @@ class Expander:
     looked through; ``notes`` says why sub-expressions became leaves.
     """
 
-    def __init__(self, jaxpr: core.Jaxpr):
-        self.top = Scope(jaxpr)
+    def __init__(self, jaxpr: core.Jaxpr, top: Scope | None = None):
+        self.top = top if top is not None else Scope(jaxpr)  # share one Scope across expanders of a level
         self.sources: list[core.Var] = []
         self._source_index: dict[core.Var, int] = {}
         self.label_sizes: dict[int, int] = {}

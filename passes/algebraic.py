@@ -34,7 +34,7 @@ from jax._src import core
 from hlopass.interpreter import Replacement, rewrite
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 from hlopass.pass_base import Pass
-from hlopass.patterns import RULES, Expander, Expansion, Internal, NoMatch, check_emittable, emit
+from hlopass.patterns import RULES, Expander, Expansion, Internal, NoMatch, Scope, check_emittable, emit
 from hlopass.report import source_line
 from hlopass.sizes import format_size
 
@@ -85,7 +85,7 @@ def classify(expansion: Expansion, candidate_internal: list[Internal], output_la
 
 
 def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
-                   passes: tuple[str, ...] = ()) -> Candidate | None:
+                   passes: tuple[str, ...] = (), scope: Scope | None = None) -> Candidate | None:
     """The candidate rooted at equation ``index``, or ``None`` (recording why when it matters).
 
     ``passes`` is the pipeline: plain sums of matrix products are left to the
@@ -95,7 +95,7 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
     out = eqn.outvars[0]
     if len(eqn.outvars) != 1 or np.dtype(out.aval.dtype).kind != "f":
         return None
-    expander = Expander(jaxpr)
+    expander = Expander(jaxpr, scope)
     labels = expander.fresh_labels(out.aval.shape)
     try:
         expansion = RULES[eqn.primitive.name](expander, eqn, expander.top, 0, labels)
@@ -193,7 +193,8 @@ class AlgebraicPass(Pass):
 
     def run_level(self, closed: core.ClosedJaxpr, config, report) -> core.ClosedJaxpr:
         jaxpr = closed.jaxpr
-        found = [find_candidate(jaxpr, i, config.threshold, report, tuple(config.passes))
+        scope = Scope(jaxpr)
+        found = [find_candidate(jaxpr, i, config.threshold, report, tuple(config.passes), scope)
                  for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in ROOT_PRIMITIVES]
         candidates = keep_effective(jaxpr, [c for c in found if c is not None], report)
         if not candidates:
