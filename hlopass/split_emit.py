@@ -23,9 +23,9 @@ axis (nested loops).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+import functools
+from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
@@ -47,7 +47,7 @@ class LoopPlan:
     #: optional rewrite of one step's program (nested splitting); gets the traced ClosedJaxpr
     refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
 
-    @property
+    @functools.cached_property
     def carried(self) -> list:
         """Values carried by the loop: the outputs, then a ``top_k``'s other result when only one is
         used (the merge needs values and indices)."""
@@ -271,7 +271,3 @@ def _arg_merge(monoid: str, best, new):
     if jnp.issubdtype(value.dtype, jnp.inexact):
         better = better | (jnp.isnan(value) & ~jnp.isnan(best_value))
     return jnp.where(better, index, best_index), jnp.where(better, value, best_value)
-
-
-def outputs_in_order(outputs: Sequence[core.Var]) -> list[core.Var]:
-    return list(outputs)
