@@ -271,6 +271,20 @@ def test_gradient_through_a_split_function_splits_the_backward_program():
     assert any(w.details["equations"] > 6 for result in backward for w in result.report.rewrites)
 
 
+def test_attention_backward_is_one_loop_for_dq_dk_dv():
+    from fixtures.attention import attention_loss
+    q, k, v = normal(0, (1, 2, 256, 16)), normal(1, (1, 2, 384, 16)), normal(2, (1, 2, 384, 16))
+    f = hlopass.jit(attention_loss, passes="split", threshold="300kB")  # a head's scores (393 kB) do not fit
+    grad = jax.grad(f, argnums=(0, 1, 2))
+    want = jax.jit(jax.grad(attention_loss, argnums=(0, 1, 2)))(q, k, v)
+    jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5),
+                           jax.jit(grad)(q, k, v), want)
+    backward = [result for name, result in hlopass_programs(grad, q, k, v) if name.startswith("transpose(")]
+    splits = [w for result in backward for w in result.report.rewrites]
+    assert len(splits) == 1, splits  # the probabilities are recomputed once per slice for all three
+    assert splits[0].details["outputs"] >= 3 and "dot_general" in splits[0].details["reducers"]
+
+
 def test_nested_split_when_one_axis_is_not_enough():
     q, p = normal(0, (700, 2)), normal(1, (1601, 2))
     done = check(lambda q, p: knn_l2(q, p, 4), q, p, threshold=5_000, splits=None)
