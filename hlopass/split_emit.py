@@ -171,7 +171,7 @@ class LoopPlan:
                     continue
                 monoid = self.monoid_of(var)
                 if monoid in ELEMENTWISE_MONOIDS:
-                    new_state[k] = combine(monoid, state[k], partial[k])
+                    new_state[k] = combine(monoid, state[k], partial[k].astype(state[k].dtype))
                 elif monoid in ("argmax", "argmin"):
                     j = n + arg_outputs.index(var)
                     new_state[k], new_state[j] = _arg_merge(monoid, (state[j], state[k]), (extras[var], partial[k]))
@@ -199,7 +199,7 @@ class LoopPlan:
             start = jnp.int32(full * chunk)
             tail = self.step_function(remainder)(start, *input_values)
             state = accumulate(state, start, tail)
-        return list(state[:len(self.outputs)])
+        return [value.astype(var.aval.dtype) for value, var in zip(state, self.outputs)]
 
     def _monoid_or_none(self, var):
         return None if self.output_axis(var) is not None else self.monoid_of(var)
@@ -213,7 +213,9 @@ class LoopPlan:
         for k, var in enumerate(self.carried):
             aval = var.aval
             if first is not None and self._monoid_or_none(var) is not None:
-                state.append(first[k])
+                monoid = self._monoid_or_none(var)
+                state.append(first[k].astype(_accumulator_dtype(monoid, aval.dtype)) if monoid in ELEMENTWISE_MONOIDS
+                             else first[k])
                 continue
             if self.output_axis(var) is not None:
                 buf = jnp.zeros(aval.shape, aval.dtype)
@@ -223,7 +225,9 @@ class LoopPlan:
             elif self._monoid_or_none(var) in ("argmax", "argmin"):
                 state.append(jnp.zeros(aval.shape, aval.dtype))
             else:
-                state.append(jnp.full(aval.shape, identity(self.monoid_of(var), aval.dtype), aval.dtype))
+                monoid = self.monoid_of(var)
+                dtype = _accumulator_dtype(monoid, aval.dtype)
+                state.append(jnp.full(aval.shape, identity(monoid, dtype), dtype))
         n = len(self.carried)
         for m, var in enumerate(v for v in self.carried if self._is_arg_reduced(v)):
             if first is not None:
@@ -244,6 +248,13 @@ class LoopPlan:
         best, where = bind_equation(eqn, [values])
         new_state[slots[0]] = best
         new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
+
+
+def _accumulator_dtype(monoid: str, dtype):
+    """Sums and products of 16-bit floats accumulate across slices in float32 (as XLA does within one)."""
+    if monoid in ("add", "mul") and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return jnp.float32
+    return dtype
 
 
 def _whole_slice_as_top_k(eqn, operand) -> list:

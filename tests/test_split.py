@@ -232,6 +232,7 @@ def test_float64():
 def test_bfloat16_and_int32():
     a, b = normal(0, (211, 5), jnp.bfloat16), normal(1, (307, 5), jnp.bfloat16)
     check(lambda a, b: jnp.max(a @ b.T, axis=1), a, b, threshold=50_000)
+    check(lambda a, b: jnp.sum(jnp.tanh(a @ b.T)), a, b, threshold=50_000, rtol=1e-2)  # accumulated in f32
     i, j = jnp.arange(613, dtype=jnp.int32), jnp.arange(409, dtype=jnp.int32)
     check(lambda i, j: jnp.sum((i[:, None] * j[None, :]) % 7, axis=0), i, j)
 
