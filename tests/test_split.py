@@ -198,6 +198,16 @@ def test_softmax_attention_is_one_loop():
     assert set(done[0].details["reducers"]) == set()  # split along an axis that survives: no accumulation
 
 
+def test_transpose_and_axis_keeping_reshape_inside_a_region():
+    a, b, w = normal(0, (211, 5)), normal(1, (307, 5)), normal(2, (307,))
+
+    def fn(a, b, w):
+        big = jnp.exp(-jnp.abs(a @ b.T)).reshape(211, 1, 307, 1)
+        return jnp.sum(jnp.transpose(big, (2, 1, 3, 0))[:, 0, 0, :] * w[:, None], axis=0)
+    done = check(fn, a, b, w, threshold=100_000)
+    assert done[0].details["equations"] >= 5
+
+
 def test_jax_nn_custom_jvp_functions_are_split_through():
     a, b = normal(0, (211, 5)), normal(1, (307, 5))
     check(lambda a, b: jnp.sum(jax.nn.relu(a @ b.T) + jax.nn.softplus(a @ b.T), axis=1), a, b, threshold=100_000)
