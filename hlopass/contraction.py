@@ -7,7 +7,8 @@ an output label tuple and the size of every label: ``A @ B @ v`` is
 
 - :func:`extract_networks` finds, in one jaxpr level, maximal trees of
   ``dot_general``, ``transpose``, ``reduce_sum``, widening
-  ``convert_element_type`` and size-1-axis reshapes whose intermediate results
+  ``convert_element_type``, products with scalars (a scalar is an operand
+  without labels) and size-1-axis reshapes whose intermediate results
   are used once (an intermediate used anywhere else is a boundary: it becomes
   an operand, unless :func:`shared_worth_inlining` finds recomputing it in each
   reader cheaper).
@@ -43,9 +44,10 @@ from hlopass.jaxpr_utils import aval_nbytes, aval_str
 Label = str
 Path = list[tuple[int, ...]]
 
-#: Equations a chain may pass through (its interior nodes); the last three only
+#: Equations a chain may pass through (its interior nodes); ``mul`` only by a
+#: scalar (a product with an operand that has no axes), the last three only
 #: when they add or drop axes of size 1 (``A[None] @ B``, a squeezed batch of one).
-LINK_PRIMITIVES = ("dot_general", "transpose", "reduce_sum", "convert_element_type",
+LINK_PRIMITIVES = ("dot_general", "transpose", "reduce_sum", "convert_element_type", "mul",
                    "squeeze", "broadcast_in_dim", "reshape")
 UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
 #: Networks with more operands are left alone.
@@ -134,6 +136,10 @@ def is_link(eqn: core.JaxprEqn) -> bool:
         return all(jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars)
     if name in UNIT_AXIS_PRIMITIVES:
         return _unit_axis_map(eqn) is not None
+    if name == "mul":
+        shapes = [getattr(a.aval, "shape", None) for a in eqn.invars]
+        return (all(jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars)
+                and () in shapes and eqn.outvars[0].aval.shape in shapes)
     return True
 
 
@@ -174,7 +180,7 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
         if not is_link(eqn):
             continue
         for atom in eqn.invars:
-            if _joins_consumer(graph, atom, i) or atom in inline:
+            if isinstance(atom, core.Var) and (_joins_consumer(graph, atom, i) or atom in inline):
                 absorbed[atom] = graph.producer[atom]
     networks, charged = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
@@ -287,7 +293,7 @@ class _NetworkBuilder:
 
     def visit(self, atom, labels: Sequence[Label]) -> str:
         """Describe ``atom`` (with ``labels`` on its axes); returns the expression as written."""
-        if atom in self.absorbed:
+        if isinstance(atom, core.Var) and atom in self.absorbed:
             self.peak_bytes = max(self.peak_bytes, aval_nbytes(atom.aval))
             shared = atom in self.inline
             self.shared_depth += shared
@@ -313,7 +319,17 @@ class _NetworkBuilder:
             return self.visit_sum(index, eqn, labels)
         if name in UNIT_AXIS_PRIMITIVES:
             return self.visit_unit_axes(eqn, labels)
+        if name == "mul":
+            return self.visit_scaling(index, eqn, labels)
         return self.visit(eqn.invars[0], labels)  # a widening convert_element_type
+
+    def visit_scaling(self, index: int, eqn, labels: Sequence[Label]) -> str:
+        """A product with a scalar: the scalar is an operand without labels."""
+        scalar, tensor = sorted(eqn.invars, key=lambda a: a.aval.shape != ())
+        if tensor.aval.shape == ():
+            scalar, tensor = eqn.invars
+        self.charge(index, math.prod(eqn.outvars[0].aval.shape))
+        return f"{self.visit(scalar, ())} * {self.visit(tensor, labels)}"
 
     def visit_unit_axes(self, eqn, labels: Sequence[Label]) -> str:
         """New axes of size 1 keep their labels only in the output; dropped ones get fresh

@@ -31,11 +31,11 @@ class Plan:
 
 
 class MatrixChainPass(Pass):
-    """Reorders chains of ``dot_general`` s (through transposes, sums and widening casts).
+    """Reorders chains of ``dot_general`` s (through transposes, sums, scalings and widening casts).
 
     Matches: maximal trees of ``dot_general``, ``transpose``, ``reduce_sum``,
-    widening ``convert_element_type`` and reshapes that only add or drop axes
-    of size 1, whose intermediates are used only inside the tree
+    widening ``convert_element_type``, ``mul`` by a scalar and reshapes that
+    only add or drop axes of size 1, whose intermediates are used only inside the tree
     (matrix-matrix, matrix-vector and batched products; a sum over an axis
     counts as a product with a ones vector). An intermediate that is returned
     or read by anything else is a boundary; one read by several chains only

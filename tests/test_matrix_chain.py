@@ -321,3 +321,21 @@ def test_chain_with_mixed_precisions_is_skipped_and_reported():
     [skip] = [s for s in traced.report.skipped if s.pass_name == "matrix_chain"]
     assert "precisions" in skip.reason and skip.location.startswith("test_matrix_chain.py:")
     assert_matches_jit(fun, args)
+
+
+def test_scalar_factors_join_the_chain():
+    def fun(A, B, v, s):
+        return 2.0 * (A @ B) * s @ v / N
+
+    A, B, v = chains.CHAINS["A@B@v"][2](N, np.float32, 14)
+    s = np.float32(0.5)
+    traced = chain_jit(fun).trace(A, B, v, s)
+    [entry] = chain_rewrites(traced.report)
+    assert entry.details["peak_intermediate_after"] == N * 4
+    assert all(eqn.outvars[0].aval.shape != (N, N) for eqn in traced.rewritten_jaxpr.jaxpr.eqns)
+    assert_matches_jit(fun, (A, B, v, s), rtol=1e-4, atol=1e-5)
+
+    def square(s, A):  # both factors scalars: a product of scalars, nothing to reorder
+        return (s * s) * A @ A
+
+    assert_matches_jit(square, (s, A), rtol=1e-4, atol=1e-5)
