@@ -4,7 +4,7 @@ The example is the squared-exponential kernel matrix-vector product written
 the naive way (``fixtures.kernels.kernel_matvec``): ``exp(-|x_i - y_j|^2 / 2) @ v``
 with a broadcast difference, so ``jax.jit`` builds an ``n x n`` kernel (and an
 ``n x n x 3`` difference before fusion). Each run happens in a child process
-whose address space is capped (``ulimit -v``, via ``RLIMIT_AS``), so the
+whose address space is capped (``ulimit -v``, i.e. ``RLIMIT_AS``), so the
 machine is never at risk:
 
 1. plain ``jax.jit`` under the cap: fails with ``RESOURCE_EXHAUSTED``;
@@ -76,12 +76,12 @@ def relative_error(value, reference) -> float:
 
 # -- running under a cap ---------------------------------------------------------------------
 
-def capped_preexec(cap_bytes: int | None):
-    """A ``preexec_fn`` limiting the child's address space to ``cap_bytes`` (``ulimit -v``)."""
-    def limit():
-        if cap_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
-    return limit
+def capped_command(argv: list[str], cap_bytes: int | None) -> list[str]:
+    """``python argv...`` behind ``ulimit -v`` (in a shell, so nothing runs in Python between fork and exec)."""
+    command = [sys.executable, *argv]
+    if cap_bytes is None:
+        return command
+    return ["/bin/sh", "-c", f'ulimit -v {max(cap_bytes // 1024, 1)} && exec "$@"', "hlopass-capped", *command]
 
 
 def run_capped(argv: list[str], cap_bytes: int | None, timeout: float = CHILD_TIMEOUT_S,
@@ -94,8 +94,8 @@ def run_capped(argv: list[str], cap_bytes: int | None, timeout: float = CHILD_TI
     child_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=capped_preexec(cap_bytes), env=child_env)
+        done = subprocess.run(capped_command(argv, cap_bytes), capture_output=True, text=True, timeout=timeout,
+                              env=child_env)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "error": f"no result after {timeout:.0f} s"}
     for line in done.stdout.splitlines():

@@ -33,7 +33,7 @@ def test_run_capped_reports_a_crash_and_applies_the_cap():
     assert result["status"] == "crashed" and result["returncode"] == 3 and "boom" in result["error"]
     code = ("import resource, json; soft, _ = resource.getrlimit(resource.RLIMIT_AS); "
             f"print({demo.RESULT_MARKER!r} + json.dumps({{'status': 'ok', 'cap': soft}}))")
-    assert demo.run_capped(["-c", code], cap_bytes=3 * 2**30)["cap"] == 3 * 2**30
+    assert demo.run_capped(["-c", code], cap_bytes=3 * 2**30)["cap"] == 3 * 2**30  # ulimit -v counts KiB
 
 
 def test_reference_rows_match_a_direct_float64_computation():
