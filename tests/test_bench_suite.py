@@ -42,7 +42,7 @@ def test_markdown_table_has_ratios_and_marks_out_of_memory():
 @pytest.mark.slow
 def test_tiny_run_writes_results_that_check_out(tmp_path):
     out = tmp_path / "bench"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_suite.py"), "--tiny", "--out", str(out),
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_suite.py"), "--tiny", "--no-keops", "--out", str(out),
                            "--json", str(tmp_path / "copy.json")], capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "[1/1]" in done.stdout and "| workload |" in done.stdout  # progress, then the table
@@ -80,3 +80,14 @@ def test_scaling_tiny_run_fits_time_against_n_squared(tmp_path):
     assert data["fit"] is not None and data["fit"][0] > 0
     assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")
     assert "| n | dense kernel |" in done.stdout
+
+
+def test_update_readme_replaces_only_the_marked_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\nbefore\n{bench_suite.README_START}\nold table\n{bench_suite.README_END}\nafter\n")
+    bench_suite.update_readme(str(readme), "| new | table |")
+    assert readme.read_text() == (f"# title\nbefore\n{bench_suite.README_START}\n| new | table |\n"
+                                  f"{bench_suite.README_END}\nafter\n")
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="no"):
+        bench_suite.update_readme(str(tmp_path / "plain.md"), "x")

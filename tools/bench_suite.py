@@ -19,7 +19,9 @@ child (seconds; peak RSS is then not per column and is left out).
 
 Writes ``results.json``, ``results.csv``, ``results.md`` (the README's table,
 with the machine described) and ``bench.png`` (memory and time per workload)
-to ``--out`` (default ``bench_results/``).
+to ``--out`` (default ``bench_results/``); ``--update-readme README.md`` also
+writes the table between the README's ``<!-- bench_suite:start -->`` and
+``<!-- bench_suite:end -->`` markers.
 """
 
 from __future__ import annotations
@@ -511,6 +513,21 @@ def write_outputs(rows: list[dict], out_dir: str, tiny: bool, descriptions: dict
     return written
 
 
+README_START, README_END = "<!-- bench_suite:start -->", "<!-- bench_suite:end -->"
+
+
+def update_readme(path: str, table: str) -> None:
+    """Replace the text between ``README_START`` and ``README_END`` in ``path`` by ``table``."""
+    with open(path) as handle:
+        text = handle.read()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{path} has no '{README_START}' ... '{README_END}' block to fill")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(path, "w") as handle:
+        handle.write(f"{head}{README_START}\n{table}\n{README_END}{tail}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small sizes, all columns of a workload in one child")
@@ -520,6 +537,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 5, tiny 2)")
     parser.add_argument("--cap", default=DEFAULT_CAP, help=f"address-space cap per child (default {DEFAULT_CAP})")
     parser.add_argument("--no-keops", action="store_true", help="leave out the KeOps column even if installed")
+    parser.add_argument("--update-readme", metavar="PATH",
+                        help=f"write the table into PATH between {README_START} and {README_END}")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # workload:column,... to measure in this process
     options = parser.parse_args(argv)
     repeats = options.repeats or (2 if options.tiny else 5)
@@ -540,8 +559,11 @@ def main(argv=None) -> int:
     if options.json:
         with open(options.json, "w") as handle:
             json.dump({"results": [{k: v for k, v in r.items() if k != "sample"} for r in rows]}, handle, indent=2)
+    table = markdown_table(rows, descriptions, options.tiny)
+    if options.update_readme:
+        update_readme(options.update_readme, table)
     print()
-    print(markdown_table(rows, descriptions, options.tiny))
+    print(table)
     print()
     print("written: " + ", ".join(written))
     failed_hlopass = [r["workload"] for r in rows if r["column"] == "hlopass" and r.get("status") != "ok"]
