@@ -221,3 +221,13 @@ def test_everything_inside_a_loop_emitted_by_a_rewrite_is_highlighted(explanatio
     assert body_equations and all(n.highlighted for n in body_equations)
     untouched = draw.build_level(explanation.rewritten_jaxpr, "after", set())
     assert not any(n.highlighted for n in draw._all_nodes(untouched))
+
+
+@needs_graphviz
+def test_every_construct_of_the_program_zoo_can_be_drawn(tmp_path):
+    from tests.programs import zoo
+    for name, function, args in zoo():
+        explanation = hlopass.explain(hlopass.jit(function), *args, compile=False)
+        files = draw.draw_explanation(explanation, str(tmp_path / name), "svg")
+        assert len(files) == 5, name
+        assert liveness.timeline(explanation.rewritten_jaxpr).peak_bytes > 0, name
