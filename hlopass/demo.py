@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-DEFAULT_N = 25_000
+DEFAULT_N = 40_000
 DEFAULT_CAP = "3GB"
 DIMENSIONS = 3
 SAMPLED_ROWS = 16
