@@ -481,6 +481,74 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
     return [tuple(step) for step in path]
 
 
+def fitting_path(network: Network, memory_limit: int) -> Path | None:
+    """The order with the fewest multiply-adds whose intermediates (not the final result) all stay
+    within ``memory_limit`` elements, by an exact search over bracketings; ``None`` if none fits or
+    the network has more than ``MAX_EXPONENTIAL_SEARCH`` operands.
+
+    opt_einsum's ``memory_limit`` also bounds the final result, so when the result alone is
+    larger than the limit it cannot say which orders keep the *intermediates* small; this
+    search can. Candidates are costed with :func:`path_cost`, exactly as emitted.
+    """
+    n = len(network.operands)
+    if n > MAX_EXPONENTIAL_SEARCH or n < 2:
+        return None
+    labels = [frozenset(op.labels) for op in network.operands]
+    output = frozenset(network.output)
+
+    def result_labels(subset: frozenset) -> frozenset:
+        inside = frozenset().union(*(labels[i] for i in subset))
+        outside = frozenset().union(output, *(labels[i] for i in range(n) if i not in subset))
+        return inside & outside
+
+    @functools.lru_cache(maxsize=None)
+    def best(subset: frozenset):
+        if len(subset) == 1:
+            return 0, next(iter(subset))
+        if len(subset) < n and network.size(result_labels(subset)) > memory_limit:
+            return None
+        first, rest = min(subset), sorted(subset - {min(subset)})
+        found = None
+        for size in range(len(rest)):
+            for others in itertools.combinations(rest, size):
+                left = frozenset((first, *others))
+                right = subset - left
+                a, b = best(left), best(right)
+                if a is None or b is None:
+                    continue
+                cost = a[0] + b[0] + network.size(result_labels(left) | result_labels(right))
+                if found is None or cost < found[0]:
+                    found = (cost, (a[1], b[1]))
+        return found
+
+    found = best(frozenset(range(n)))
+    if found is None:
+        return None
+    path = _tree_to_path(found[1], n)
+    return path if path_cost(network, path).peak_elements <= memory_limit else None
+
+
+def _tree_to_path(tree, n: int) -> Path:
+    """A bracketing (nested pairs of operand indices) as opt_einsum's linear path."""
+    current = list(range(n))
+    path: list[tuple[int, int]] = []
+    fresh = itertools.count(n)
+
+    def visit(node) -> int:
+        if isinstance(node, int):
+            return node
+        a, b = visit(node[0]), visit(node[1])
+        positions = tuple(sorted((current.index(a), current.index(b))))
+        path.append(positions)
+        for position in reversed(positions):
+            current.pop(position)
+        current.append(next(fresh))
+        return current[-1]
+
+    visit(tree)
+    return path
+
+
 def _has_hyperedges(inputs: list[set], output: set) -> bool:
     counts = collections.Counter(label for labels in inputs for label in labels)
     return any(count + (label in output) > 2 for label, count in counts.items())

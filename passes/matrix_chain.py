@@ -10,7 +10,7 @@ from jax._src import core
 
 from hlopass.config import Config
 from hlopass.contraction import (MAX_OPERANDS, Network, Path, contract, describe_path, extract_networks,
-                                 optimal_path, path_cost, shared_worth_inlining)
+                                 fitting_path, optimal_path, path_cost, shared_worth_inlining)
 from hlopass.graph import DataflowGraph
 from hlopass.interpreter import Replacement, rewrite
 from hlopass.jaxpr_utils import dce
@@ -101,6 +101,11 @@ def plan_order(network: Network, threshold_bytes: int | None, force: bool = Fals
     if path is None:
         path = optimal_path(network)
     cost = path_cost(network, path)
+    if limit is not None and cost.peak_elements > limit:
+        # opt_einsum's limit also bounds the result; search for an order whose intermediates fit.
+        fitting = fitting_path(network, limit)
+        if fitting is not None:
+            path, cost = fitting, path_cost(network, fitting)
     peak_after = cost.peak_elements * itemsize
     fits_now = limit is None or network.original_peak_bytes <= threshold_bytes
     fits_after = limit is None or peak_after <= threshold_bytes

@@ -339,3 +339,16 @@ def test_scalar_factors_join_the_chain():
         return (s * s) * A @ A
 
     assert_matches_jit(square, (s, A), rtol=1e-4, atol=1e-5)
+
+
+def test_threshold_binds_intermediates_even_when_the_result_is_larger():
+    """(A B) C with A 5x2, B 2x1, C 1x2 at a 16-byte threshold: the result (40 B) cannot fit, but
+    A (B C) keeps the only intermediate at 16 B where (A B) needs 20 B; found by hypothesis."""
+    rng = np.random.default_rng(0)
+    A, B, C = (rng.standard_normal(s).astype(np.float32) for s in ((5, 2), (2, 1), (1, 2)))
+    f = lambda A, B, C: (A @ B) @ C  # noqa: E731
+    h = hlopass.jit(f, passes="matrix_chain", threshold=16)
+    traced = h.trace(A, B, C)
+    (rewrite,) = traced.report.rewrites
+    assert rewrite.details["peak_intermediate_before"] == 20 and rewrite.details["peak_intermediate_after"] == 16
+    np.testing.assert_allclose(h(A, B, C), f(A, B, C), rtol=1e-5)
