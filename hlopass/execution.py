@@ -10,6 +10,9 @@ from jax._src import core
 from hlopass.memory import MemoryCheck, enforce, measure
 
 
+from jax._src.array import ArrayImpl as _ARRAY_TYPE  # noqa: E402
+
+
 def leaf_signature(leaf):
     """What of an argument leaf decides a recompile: shape, dtype, weak type (or the Python type)."""
     if isinstance(leaf, jax.Array):
@@ -58,6 +61,8 @@ class CheckedJit:
 
     def signature(self, args, kwargs):
         """The cache key of a call, or ``None`` when an argument is a tracer."""
+        if not kwargs and not self.static_argnums and all(type(a) is _ARRAY_TYPE for a in args):
+            return tuple((a.shape, a.dtype, a.weak_type) for a in args)  # the common case, without flattening
         static = ()
         if self.static_argnums or self.static_argnames:
             static = (tuple(args[i] for i in self.static_argnums if i < len(args)),

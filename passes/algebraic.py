@@ -195,7 +195,8 @@ class AlgebraicPass(Pass):
         jaxpr = closed.jaxpr
         scope = Scope(jaxpr)
         found = [find_candidate(jaxpr, i, config.threshold, report, tuple(config.passes), scope)
-                 for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in ROOT_PRIMITIVES]
+                 for i, eqn in enumerate(jaxpr.eqns)
+                 if eqn.primitive.name in ROOT_PRIMITIVES and _touches_large(eqn, config.threshold)]
         candidates = keep_effective(jaxpr, [c for c in found if c is not None], report)
         if not candidates:
             return closed
@@ -206,6 +207,16 @@ class AlgebraicPass(Pass):
         replacements = [Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
                         for c in candidates]
         return rewrite(closed, replacements, name="algebraic")
+
+
+def _touches_large(eqn, threshold: int | None) -> bool:
+    """Whether a root reads or writes a value over the threshold: a cheap filter, since a rewrite
+    must remove such a value and it is read by the root (or is the root's own result); the
+    expansion walk itself is linear in the program, which made the pass quadratic."""
+    if threshold is None:
+        return True
+    values = [v for v in (*eqn.invars, *eqn.outvars) if isinstance(v, core.Var)]
+    return any(aval_nbytes(v.aval) > threshold for v in values)
 
 
 def _location(jaxpr: core.Jaxpr, c: Candidate) -> str:
