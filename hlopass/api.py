@@ -38,7 +38,9 @@ def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: An
     overrides = {k: v for k, v in dict(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
                                        passes=passes, dump_to=dump_to, strict=strict).items() if v is not None}
     if fun is None:
-        return lambda f: HlopassFunction(f, overrides, jit_kwargs)
+        return lambda f: jit(f, **overrides, **jit_kwargs)
+    if isinstance(fun, HlopassFunction):  # re-wrapping: new settings on the same function
+        return HlopassFunction(fun._fun, {**fun._overrides, **overrides}, {**fun._jit_kwargs, **jit_kwargs})
     return HlopassFunction(fun, overrides, jit_kwargs)
 
 

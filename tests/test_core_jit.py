@@ -107,6 +107,17 @@ def test_decorator_forms_keep_name_and_doc():
     np.testing.assert_array_equal(configured(jnp.ones(3)), 3 * jnp.ones(3))
 
 
+def test_rewrapping_merges_settings():
+    @hlopass.jit(threshold="1MB", passes="none")
+    def f(x):
+        return x + 1
+
+    g = hlopass.jit(f, split_size="500kB")
+    assert g.__name__ == "f" and g._fun is f._fun
+    assert (g.config().threshold, g.config().split_size, g.config().passes) == (10**6, 5 * 10**5, ())
+    np.testing.assert_array_equal(g(jnp.ones(2)), 2 * np.ones(2))
+
+
 def test_static_args_kwargs_and_donation():
     h = hlopass.jit(programs.uses_static, static_argnums=(1,), static_argnames=("mode",), passes="test_retrace")
     x = jnp.linspace(0.0, 1.0, 8)
