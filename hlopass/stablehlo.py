@@ -20,13 +20,18 @@ LOOP_OPS = ("stablehlo.while", "mhlo.while")
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """One op result: its type, byte size, op name and user source line."""
+    """One op result: its type, byte size, op name and user source line.
+
+    ``loop_result`` marks the results of a loop op itself: its carried state,
+    which holds the loop's inputs passed through rather than new values.
+    """
 
     type: str
     nbytes: int
     op: str
     location: str
     in_loop: bool
+    loop_result: bool = False
 
     def __str__(self) -> str:
         from hlopass.sizes import format_size
@@ -68,7 +73,8 @@ def all_tensors(module) -> list[TensorInfo]:
             nbytes = tensor_nbytes(type_text)
             if nbytes:
                 op_name, where = describe_location(str(operation.location))
-                found.append(TensorInfo(type_text, nbytes, op_name.split("/")[-1] or name, where, in_loop))
+                found.append(TensorInfo(type_text, nbytes, op_name.split("/")[-1] or name, where, in_loop,
+                                        loop_result=name in LOOP_OPS))
         inner_loop = in_loop or name in LOOP_OPS
         for region in operation.regions:
             for block in region.blocks:
@@ -93,7 +99,9 @@ def largest_tensors(module, limit: int = 5, outside_loops: bool = True) -> list[
     return unique[:limit]
 
 
-def max_tensor_bytes(module, outside_loops: bool = True) -> int:
-    """Size of the largest op result (outside loop bodies by default)."""
-    sizes = [t.nbytes for t in all_tensors(module) if not (outside_loops and t.in_loop)]
+def max_tensor_bytes(module, outside_loops: bool = True, loop_results: bool = True) -> int:
+    """Size of the largest op result (outside loop bodies by default; without the loops' own
+    carried state when ``loop_results`` is false)."""
+    sizes = [t.nbytes for t in all_tensors(module)
+             if not (outside_loops and t.in_loop) and (loop_results or not t.loop_result)]
     return max(sizes, default=0)

@@ -256,13 +256,11 @@ def _upper_bound(closed: core.ClosedJaxpr) -> int:
 
 
 def _footprint(closed: core.ClosedJaxpr) -> int:
-    """XLA's temp + argument + output bytes for ``closed`` compiled on its own."""
+    """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own."""
     import jax
+    from hlopass.memory import measure
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    analysis = jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile().memory_analysis()
-    get = lambda name: int(getattr(analysis, name, 0) or 0)  # noqa: E731
-    return (get("temp_size_in_bytes") + get("argument_size_in_bytes") + get("output_size_in_bytes")
-            - get("alias_size_in_bytes"))
+    return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
 
 
 def inline_custom_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

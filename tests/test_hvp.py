@@ -53,6 +53,15 @@ def toy_reference(variant: str, M: int):
     return np.asarray(expected), default_temp, temp_bytes(jax.jit(mf.toy_task(M, variant, "fwdrev")), *args)
 
 
+def assert_matches_handwritten(fn, args, variant, M):
+    """Gradients equal to the default program's; XLA temp within MEMORY_FACTOR of hand-written."""
+    expected, default_temp, handwritten_temp = toy_reference(variant, M)
+    got, temp = run_compiled(fn, *args)
+    assert rel_err(got, expected) < RTOL
+    assert temp <= MEMORY_FACTOR * handwritten_temp, (temp, handwritten_temp)
+    assert temp < default_temp / 3, (temp, default_temp)
+
+
 def hvp_rewrites(report):
     return [r for r in report.rewrites if r.pass_name == "hvp"]
 
@@ -63,12 +72,8 @@ def hvp_rewrites(report):
 def test_toy_under_hlopass_jit_matches_handwritten_memory(variant, M):
     """Form 1: @hlopass.jit on the program that calls jax.grad(meta_loss) itself."""
     args = toy_args()
-    expected, default_temp, handwritten_temp = toy_reference(variant, M)
     fn = hlopass.jit(mf.toy_task(M, variant), passes="hvp")
-    got, temp = run_compiled(fn, *args)
-    assert rel_err(got, expected) < RTOL
-    assert temp <= MEMORY_FACTOR * handwritten_temp, (temp, handwritten_temp)
-    assert temp < default_temp / 3, (temp, default_temp)
+    assert_matches_handwritten(fn, args, variant, M)
     rewrites = hvp_rewrites(fn.trace(*args).report)
     assert len(rewrites) == 1
     assert rewrites[0].details["loss"].startswith("mixflow.py:") and rewrites[0].details["loss"].endswith("loss)")
@@ -81,12 +86,8 @@ def test_toy_under_hlopass_jit_matches_handwritten_memory(variant, M):
 def test_toy_grad_of_hlopass_jit_matches_handwritten_memory(variant, M):
     """Form 2: jax.grad(hlopass.jit(meta_loss)); the linearize hook rewrites the primal jaxpr."""
     args = toy_args()
-    expected, default_temp, handwritten_temp = toy_reference(variant, M)
     meta_loss = hlopass.jit(mf.toy_meta_loss(M, variant), passes="hvp")
-    got, temp = run_compiled(jax.jit(jax.grad(meta_loss)), *args)
-    assert rel_err(got, expected) < RTOL
-    assert temp <= MEMORY_FACTOR * handwritten_temp, (temp, handwritten_temp)
-    assert temp < default_temp / 3, (temp, default_temp)
+    assert_matches_handwritten(jax.jit(jax.grad(meta_loss)), args, variant, M)
     # the primal hlopass_call carries the replaced region; its report names the inner loss
     primal = jax.make_jaxpr(jax.grad(meta_loss))(*args)
     reports = [hlopass.pipeline.run_pipeline(e.params["jaxpr"], e.params["config"], e.params["name"]).report

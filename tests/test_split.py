@@ -14,7 +14,7 @@ from jax import lax
 import hlopass
 from fixtures.kernels import kernel_matvec
 from fixtures.knn import knn_l1, knn_l2
-from hlopass.stablehlo import LOOP_OPS, tensor_nbytes
+from hlopass import stablehlo
 
 SPLIT = 256_000  # bytes: the threshold and split size of most tests
 
@@ -22,20 +22,7 @@ SPLIT = 256_000  # bytes: the threshold and split size of most tests
 def max_tensor_bytes(module) -> int:
     """Largest op result outside loop bodies, not counting the loops' own results: those are the
     loop-carried state, whose constants are the inputs themselves passed through (no new memory)."""
-    sizes = [0]
-
-    def visit(op):
-        operation = op.operation
-        if operation.name in LOOP_OPS:
-            return
-        sizes.extend(tensor_nbytes(str(r.type)) for r in operation.results)
-        for region in operation.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    visit(child)
-    for op in module.body.operations:
-        visit(op)
-    return max(sizes)
+    return stablehlo.max_tensor_bytes(module, loop_results=False)
 
 
 def split_jit(fn, threshold=SPLIT, split_size=None):
