@@ -3,19 +3,24 @@
 Use ``@hlopass.jit`` instead of ``@jax.jit``; see the README for settings.
 """
 
-from hlopass import primitive as _primitive  # noqa: F401  (registers the hlopass_call primitive)
+from hlopass import api as _api
 from hlopass.api import HlopassFunction, jit
-from hlopass.config import Config, resolve as resolve_config
+from hlopass.config import Config
 from hlopass.errors import ConfigError, MemoryLimitError
-from hlopass.explain import Explanation, explain
+from hlopass.inspection.dump import dump_on_compile as _dump_on_compile
+from hlopass.inspection.explanation import Explanation, explain, reports
 from hlopass.pass_base import Pass
 from hlopass.registry import available_passes, register_pass
-from hlopass.report import PassReport, PipelineReport, Rewrite, Skip
+from hlopass.report import Note, PassReport, PipelineReport, Rewrite, Skip
+from hlopass.settings import resolve as resolve_config
 from hlopass.sizes import format_size, parse_size
 
+# The composition root: HLOPASS_DUMP_TO makes the API call the dump writer of the inspection tools.
+_api.compile_listeners.append(_dump_on_compile)
+
 __all__ = [
-    "jit", "explain", "HlopassFunction", "Explanation", "Config", "resolve_config", "ConfigError",
-    "MemoryLimitError", "Pass", "register_pass", "available_passes", "PassReport", "PipelineReport",
+    "jit", "explain", "reports", "HlopassFunction", "Explanation", "Config", "resolve_config", "ConfigError",
+    "MemoryLimitError", "Pass", "register_pass", "available_passes", "Note", "PassReport", "PipelineReport",
     "Rewrite", "Skip", "parse_size", "format_size",
 ]
 __version__ = "0.1.0"

@@ -10,16 +10,19 @@ import jax
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from hlopass import config as config_mod
-from hlopass import trace_hooks
-from hlopass.execution import CheckedJit
+from hlopass import settings
+from hlopass.call import CheckedJit, hlopass_call_p
+from hlopass.config import Config
 from hlopass.jaxpr_utils import trace_flat
-from hlopass.pipeline import run_pipeline
-from hlopass.primitive import hlopass_call_p
+from hlopass.memory import enforce, measure
+from hlopass.pipeline import run_pipeline, trace_contexts
 
-_SETTINGS = ("threshold", "split_size", "memory_limit", "passes", "dump_to", "strict")
-_ENV_VARS = (config_mod.ENV_THRESHOLD, config_mod.ENV_SPLIT_SIZE, config_mod.ENV_MEMORY_LIMIT,
-             config_mod.ENV_PASSES, config_mod.ENV_DUMP_TO, config_mod.ENV_STRICT)
+_ENV_VARS = tuple(settings.SETTINGS.values())
+
+#: Called as ``listener(function, config, args, kwargs)`` after a function's first compile for a
+#: signature when ``config.dump_to`` is set; :mod:`hlopass` installs the dump writer of
+#: :mod:`hlopass.inspection` here (the API does not import the tools built on it).
+compile_listeners: list[Callable] = []
 
 
 def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: Any = None,
@@ -54,25 +57,25 @@ class HlopassFunction:
         self._fun = fun
         self._overrides = dict(overrides)
         self._jit_kwargs = dict(jit_kwargs)
-        self._per_config: dict[config_mod.Config, CheckedJit] = {}
-        self._config_cache: dict[tuple, config_mod.Config] = {}
+        self._per_config: dict[Config, CheckedJit] = {}
+        self._config_cache: dict[tuple, Config] = {}
         self.trace_count = 0
-        config_mod.resolve(self._overrides)  # bad keyword settings fail at decoration time
+        settings.resolve(self._overrides)  # bad keyword settings fail at decoration time
 
     @property
     def label(self) -> str:
         return getattr(self._fun, "__qualname__", getattr(self._fun, "__name__", "function"))
 
     # -- configuration -------------------------------------------------------------
-    def config(self) -> config_mod.Config:
+    def config(self) -> Config:
         """The settings in force now (environment read now, keyword overrides applied)."""
         key = tuple(map(_environ_get, _ENV_VARS))
         if key not in self._config_cache:
-            self._config_cache[key] = config_mod.resolve(self._overrides)
+            self._config_cache[key] = settings.resolve(self._overrides)
         return self._config_cache[key]
 
     # -- staging ---------------------------------------------------------------------
-    def _staged(self, config: config_mod.Config) -> Callable:
+    def _staged(self, config: Config) -> Callable:
         fun, label = self._fun, self.label
 
         @functools.wraps(fun)
@@ -81,12 +84,13 @@ class HlopassFunction:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             dynamic = [isinstance(leaf, core.Tracer) for leaf in leaves]
             out_tree = []
+            notes: list = []
 
             def flat_fun(*dynamic_values):
                 values = iter(dynamic_values)
                 full = [next(values) if d else leaf for leaf, d in zip(leaves, dynamic)]
                 call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-                with trace_hooks.tracing(config):
+                with trace_contexts(config, notes):
                     result = fun(*call_args, **call_kwargs)
                 out_leaves, tree = jax.tree_util.tree_flatten(result)
                 out_tree.append(tree)
@@ -96,16 +100,17 @@ class HlopassFunction:
             closed = trace_flat(flat_fun, [core.typeof(x) for x in dynamic_leaves], label)
             consts = list(closed.consts)
             body = core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
-            outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label)
+            outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label,
+                                       notes=tuple(notes))
             return jax.tree_util.tree_unflatten(out_tree[0], outs)
 
         return staged
 
-    def _checked(self, config: config_mod.Config) -> CheckedJit:
+    def _checked(self, config: Config) -> CheckedJit:
         if config not in self._per_config:
             on_first_compile = None
             if config.dump_to:
-                on_first_compile = functools.partial(_dump_on_compile, self, config)
+                on_first_compile = functools.partial(_notify_compile, self, config)
             self._per_config[config] = CheckedJit(self._staged(config), self._jit_kwargs, config, self.label,
                                                   on_first_compile)
         return self._per_config[config]
@@ -119,13 +124,15 @@ class HlopassFunction:
 
     def trace(self, *args, **kwargs) -> "Traced":
         """Trace as ``jax.jit(...).trace`` does; the result also offers the rewritten jaxpr and report."""
-        config = self.config()
-        return Traced(self._checked(config).jitted.trace(*args, **kwargs), config)
+        return self.trace_with(self.config(), *args, **kwargs)
+
+    def trace_with(self, config: Config, *args, **kwargs) -> "Traced":
+        """:meth:`trace` with the given settings instead of those in force now."""
+        return Traced(self._checked(config).jitted.trace(*args, **kwargs), config, self.label)
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Lower to the rewritten StableHLO (``.as_text()``); ``.compile()`` checks the memory limit."""
-        traced = self.trace(*args, **kwargs)
-        return Lowered(traced._traced.lower(), traced, self.config(), self.label)
+        return self.trace(*args, **kwargs).lower()
 
     def eval_shape(self, *args, **kwargs):
         return self._checked(self.config()).jitted.eval_shape(*args, **kwargs)
@@ -160,9 +167,10 @@ def _hlopass_eqn(closed_jaxpr):
 class Traced:
     """``jax.stages.Traced`` plus ``rewritten_jaxpr`` and ``report``."""
 
-    def __init__(self, traced, config):
+    def __init__(self, traced, config, label: str = "function"):
         self._traced = traced
         self.config = config
+        self.label = label
 
     def __getattr__(self, name):
         return getattr(self._traced, name)
@@ -175,7 +183,7 @@ class Traced:
     @functools.cached_property
     def _result(self):
         eqn = _hlopass_eqn(self._traced.jaxpr)
-        return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"])
+        return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"], eqn.params["notes"])
 
     @property
     def rewritten_jaxpr(self) -> core.ClosedJaxpr:
@@ -188,7 +196,7 @@ class Traced:
         return self._result.report
 
     def lower(self, **kwargs) -> "Lowered":
-        return Lowered(self._traced.lower(**kwargs), self, self.config, "function")
+        return Lowered(self._traced.lower(**kwargs), self, self.config, self.label)
 
 
 class Lowered:
@@ -209,19 +217,12 @@ class Lowered:
         return self._traced.report
 
     def compile(self, *args, **kwargs):
-        from hlopass.memory import enforce, measure
         compiled = self._lowered.compile(*args, **kwargs)
         self.memory_check = measure(compiled, self._lowered, self.config.memory_limit, self.label)
         enforce(self.memory_check, self.config.strict)
         return compiled
 
 
-def _dump_on_compile(function: HlopassFunction, config, args, kwargs, lowered, compiled, check) -> None:
-    from hlopass.dump import dump_explanation
-    from hlopass.explain import explain
-    explanation = explain(function, *args, _config=config, **kwargs)
-    folder = dump_explanation(explanation, config.dump_to)
-    picture_format = os.environ.get("HLOPASS_DUMP_FORMAT", "text").strip().lower()
-    if picture_format in ("svg", "png"):
-        from hlopass.draw import draw_explanation
-        draw_explanation(explanation, folder, picture_format)
+def _notify_compile(function: HlopassFunction, config, args, kwargs, lowered, compiled, check) -> None:
+    for listener in compile_listeners:
+        listener(function, config, args, kwargs)

@@ -1,13 +1,6 @@
-"""Settings: read from the environment at trace time, overridden per function.
+"""The settings one function is compiled with (:class:`Config`), and their defaults.
 
-| setting | environment variable | keyword |
-|---|---|---|
-| size above which a tensor is a split candidate | ``HLOPASS_TENSOR_SIZE_THRESHOLD`` | ``threshold=`` |
-| largest chunk a split may produce | ``HLOPASS_TENSOR_SPLIT_SIZE`` | ``split_size=`` |
-| what the compiled program is checked against | ``HLOPASS_MEMORY_LIMIT`` | ``memory_limit=`` |
-| passes to run, in order | ``HLOPASS_PASSES`` | ``passes=`` |
-| folder to dump every compiled function to | ``HLOPASS_DUMP_TO`` | ``dump_to=`` |
-| raise instead of warn when over the limit | ``HLOPASS_STRICT`` | ``strict=`` |
+Reading them from the environment and keywords is :mod:`hlopass.settings`.
 """
 
 from __future__ import annotations
@@ -16,17 +9,9 @@ import dataclasses
 import functools
 import os
 import resource
-from typing import Mapping
+from typing import Any
 
-from hlopass.errors import ConfigError
-from hlopass.sizes import parse_size
-
-ENV_THRESHOLD = "HLOPASS_TENSOR_SIZE_THRESHOLD"
-ENV_SPLIT_SIZE = "HLOPASS_TENSOR_SPLIT_SIZE"
-ENV_MEMORY_LIMIT = "HLOPASS_MEMORY_LIMIT"
-ENV_PASSES = "HLOPASS_PASSES"
-ENV_DUMP_TO = "HLOPASS_DUMP_TO"
-ENV_STRICT = "HLOPASS_STRICT"
+from hlopass.sizes import format_size
 
 #: The default threshold is this fraction of the memory limit, within the bounds below:
 #: several split loops' buffers and the inputs must fit at once.
@@ -34,30 +19,36 @@ DEFAULT_THRESHOLD_FRACTION = 1 / 20
 DEFAULT_THRESHOLD_MIN = 2**20
 DEFAULT_THRESHOLD_MAX = 2**30
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-_UNSET = object()
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The settings one function is compiled with (hashable: part of the cache key).
 
-    ``threshold``/``split_size``/``memory_limit`` are bytes, or ``None`` for "off".
+    ``threshold``/``split_size``/``memory_limit`` are bytes, or ``None`` for "off";
+    ``passes`` holds :class:`~hlopass.pass_base.Pass` instances, in pipeline order.
     """
 
     threshold: int | None
     split_size: int | None
     memory_limit: int | None
-    passes: tuple[str, ...]
+    passes: tuple[Any, ...] = ()
     dump_to: str | None = None
     strict: bool = False
 
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.passes)
+
     def describe(self) -> str:
         """One line for logs and dumps."""
-        from hlopass.sizes import format_size
+        passes = ",".join(repr(p) if _configured(p) else p.name for p in self.passes) or "none"
         return (f"threshold={format_size(self.threshold)} split_size={format_size(self.split_size)} "
-                f"memory_limit={format_size(self.memory_limit)} passes={','.join(self.passes) or 'none'}")
+                f"memory_limit={format_size(self.memory_limit)} passes={passes}")
+
+
+def _configured(pass_) -> bool:
+    """Whether a pass runs with options other than its defaults."""
+    return pass_.options != type(pass_.options)()
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,67 +74,3 @@ def default_threshold(memory_limit: int | None) -> int:
     """The threshold used when none is set: a twentieth of the memory limit, between 1 MiB and 1 GiB."""
     base = memory_limit if memory_limit is not None else device_memory_bytes()
     return int(min(DEFAULT_THRESHOLD_MAX, max(DEFAULT_THRESHOLD_MIN, base * DEFAULT_THRESHOLD_FRACTION)))
-
-
-def _parse_bool(value, setting: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{setting}={value!r} is not a boolean; accepted forms: {', '.join(_TRUE)} or {', '.join(repr(f) for f in _FALSE)}")
-
-
-def resolve(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Config:
-    """Build the ``Config`` for one function: keyword ``overrides`` win over the environment.
-
-    Keys of ``overrides``: ``threshold``, ``split_size``, ``memory_limit``, ``passes``,
-    ``dump_to``, ``strict``. Raises ``ConfigError`` naming the setting for any bad value.
-    """
-    from hlopass.registry import resolve_pass_names
-
-    overrides = dict(overrides or {})
-    environ = os.environ if environ is None else environ
-    unknown = set(overrides) - {"threshold", "split_size", "memory_limit", "passes", "dump_to", "strict"}
-    if unknown:
-        raise ConfigError(f"unknown hlopass setting(s) {sorted(unknown)}; accepted: threshold, split_size, memory_limit, passes, dump_to, strict")
-
-    def pick(key, env_name):
-        if key in overrides:
-            return overrides[key], f"{key}="
-        if env_name in environ:
-            return environ[env_name], env_name
-        return _UNSET, env_name
-
-    raw, name = pick("memory_limit", ENV_MEMORY_LIMIT)
-    memory_limit = device_memory_bytes() if raw is _UNSET else parse_size(raw, name, allow_off=True)
-
-    raw, name = pick("threshold", ENV_THRESHOLD)
-    threshold = default_threshold(memory_limit) if raw is _UNSET else parse_size(raw, name, allow_off=True)
-
-    raw, split_name = pick("split_size", ENV_SPLIT_SIZE)
-    split_size = threshold if raw is _UNSET else parse_size(raw, split_name, allow_off=True)
-    if split_size is not None and threshold is None and raw is not _UNSET:
-        raise ConfigError(f"{split_name}={raw!r} is set but the threshold is off; set {ENV_THRESHOLD} (or threshold=) too")
-    if split_size is None and threshold is not None:
-        split_size = threshold
-    if split_size is not None and threshold is not None and split_size > threshold:
-        raise ConfigError(
-            f"{split_name}={raw!r} is larger than the threshold ({threshold} bytes); "
-            "the split size must be at most the threshold")
-    if split_size == 0:
-        raise ConfigError(f"{split_name}={raw!r}: the split size must be positive")
-
-    raw, name = pick("passes", ENV_PASSES)
-    passes = resolve_pass_names(None if raw is _UNSET else raw, name)
-
-    raw, _ = pick("dump_to", ENV_DUMP_TO)
-    dump_to = None if raw is _UNSET or raw in ("", None) else os.fspath(raw)
-
-    raw, name = pick("strict", ENV_STRICT)
-    strict = False if raw is _UNSET else _parse_bool(raw, name)
-
-    return Config(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
-                  passes=passes, dump_to=dump_to, strict=strict)

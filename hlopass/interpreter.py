@@ -16,7 +16,12 @@ from typing import Any, Callable, Sequence
 import networkx as nx
 from jax._src import core, source_info_util
 
-from hlopass.jaxpr_utils import CALL_PRIMITIVES, dce, trace_flat
+from hlopass.families import CALLS, REMAT
+from hlopass.jaxpr_utils import call_body, dce, has_subjaxprs, map_subjaxprs, trace_flat
+
+#: What :func:`inline_calls` inlines: plain calls and ``checkpoint`` bodies (which only matter
+#: across a forward/backward boundary, and hlopass programs have none once JAX split them into calls).
+PLAIN_CALLS = CALLS | REMAT
 
 EqnRule = Callable[[core.JaxprEqn, list[Any]], "list[Any] | None"]
 
@@ -89,9 +94,8 @@ def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         eqn = item
         invals = list(map(read, eqn.invars))
         outs = eqn_rule(eqn, invals) if eqn_rule is not None else None
-        if outs is None and inline_calls and eqn.primitive.name in CALL_PRIMITIVES:
-            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            body = body if isinstance(body, core.ClosedJaxpr) else core.ClosedJaxpr(body, ())
+        if outs is None and inline_calls and eqn.primitive.name in PLAIN_CALLS:
+            body = call_body(eqn)
             with at_source_of(eqn):
                 outs = evaluate(body.jaxpr, body.consts, invals, eqn_rule=eqn_rule, inline_calls=True)
         if outs is None:
@@ -152,39 +156,9 @@ def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[Replacement] = (),
 
 def inline_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     """Inline nested ``pjit``/``closed_call`` bodies (recursively) so passes see one flat program."""
-    if not any(eqn.primitive.name in CALL_PRIMITIVES for eqn in closed.jaxpr.eqns):
+    if not any(eqn.primitive.name in PLAIN_CALLS for eqn in closed.jaxpr.eqns):
         return closed
     return rewrite(closed, inline_calls=True)
-
-
-def map_subjaxprs(eqn: core.JaxprEqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> dict | None:
-    """``eqn.params`` with every sub-jaxpr passed through ``transform``; ``None`` if none changed.
-
-    Open ``Jaxpr`` params (``checkpoint``) are closed for the transform and
-    kept as they were when the result needs constants.
-    """
-    changed = False
-
-    def visit(value):
-        nonlocal changed
-        if isinstance(value, core.ClosedJaxpr):
-            new = transform(value)
-            if new is not value:
-                changed = True
-                return new
-            return value
-        if isinstance(value, core.Jaxpr):
-            new = transform(core.ClosedJaxpr(value, ()))
-            if new.jaxpr is not value and not new.consts:
-                changed = True
-                return new.jaxpr
-            return value
-        if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
-            return tuple(visit(v) for v in value)
-        return value
-
-    params = {key: visit(value) for key, value in eqn.params.items()}
-    return params if changed else None
 
 
 def rewrite_nested(closed: core.ClosedJaxpr, level: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> core.ClosedJaxpr:
@@ -196,12 +170,8 @@ def rewrite_nested(closed: core.ClosedJaxpr, level: Callable[[core.ClosedJaxpr],
         params = map_subjaxprs(eqn, lambda sub: rewrite_nested(sub, level))
         return None if params is None else bind_equation(eqn, invals, params)
 
-    has_subjaxprs = any(
-        isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) or
-        (isinstance(v, tuple) and any(isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in v))
-        for eqn in closed.jaxpr.eqns for v in eqn.params.values())
     inner = closed
-    if has_subjaxprs:
+    if any(has_subjaxprs(eqn) for eqn in closed.jaxpr.eqns):
         changed = []
 
         def tracking_rule(eqn, invals):

@@ -1,4 +1,4 @@
-"""Small facts about jaxprs: byte sizes, sub-jaxprs, tracing a function to a ClosedJaxpr."""
+"""Small facts about jaxprs: byte sizes, the one sub-jaxpr walker, tracing a function to a ClosedJaxpr."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ from jax._src import api_util, core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-#: Primitives that are plain calls of a sub-jaxpr and can be inlined. A
-#: ``checkpoint`` body only matters across a forward/backward boundary, which
-#: hlopass programs no longer have once JAX has split them into calls.
-CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
-
+from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE
 
 def aval_nbytes(aval) -> int:
     """Bytes of an array abstract value (0 for tokens and other non-arrays)."""
@@ -58,6 +54,60 @@ def _jaxprs_in(value) -> Iterator[core.Jaxpr]:
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _jaxprs_in(item)
+
+
+def has_subjaxprs(eqn) -> bool:
+    """Whether ``eqn`` holds any sub-jaxpr."""
+    return next(subjaxprs(eqn), None) is not None
+
+
+def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> dict | None:
+    """``eqn.params`` with every sub-jaxpr passed through ``transform``; ``None`` if none changed.
+
+    Open ``Jaxpr`` params (``checkpoint``) are closed for the transform and
+    kept as they were when the result needs constants.
+    """
+    changed = False
+
+    def visit(value):
+        nonlocal changed
+        if isinstance(value, core.ClosedJaxpr):
+            new = transform(value)
+            if new is not value:
+                changed = True
+            return new
+        if isinstance(value, core.Jaxpr):
+            new = transform(core.ClosedJaxpr(value, ()))
+            if new.jaxpr is not value and not new.consts:
+                changed = True
+                return new.jaxpr
+            return value
+        if isinstance(value, (tuple, list)) and any(True for _ in _jaxprs_in(value)):
+            return type(value)(visit(v) for v in value)
+        return value
+
+    params = {key: visit(value) for key, value in eqn.params.items()}
+    return params if changed else None
+
+
+def call_body(eqn) -> core.ClosedJaxpr | None:
+    """The body a call-like equation runs on its operands (``pjit``, ``closed_call``,
+    ``checkpoint``, ``custom_jvp_call``, ``custom_vjp_call``), closed; ``None`` for other equations.
+
+    For custom-derivative calls this is the primal computation; the derivative
+    rules are not part of it.
+    """
+    name = eqn.primitive.name
+    if name not in INLINABLE:
+        return None
+    keys = ("call_jaxpr", "fun_jaxpr") if name in CUSTOM_DERIVATIVE_CALLS else ("jaxpr", "call_jaxpr")
+    for key in keys:
+        body = eqn.params.get(key)
+        if isinstance(body, core.ClosedJaxpr):
+            return body
+        if isinstance(body, core.Jaxpr):
+            return core.ClosedJaxpr(body, ())
+    return None
 
 
 def iter_eqns(jaxpr) -> Iterator[Any]:

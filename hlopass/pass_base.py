@@ -1,30 +1,96 @@
-"""The pass contract: ``run(jaxpr, config) -> (jaxpr, report)``."""
+"""The pass contract: ``run(jaxpr, config) -> (jaxpr, report)``, options, and the extension points.
+
+A pass is a small class with a ``name``, a docstring saying what it matches,
+what it emits and what it leaves alone, and either :meth:`Pass.run_level`
+(rewrite one jaxpr level; :meth:`Pass.run` applies it to every sub-jaxpr,
+innermost first) or its own :meth:`Pass.run`. Tuning constants are fields of
+the pass's ``Options`` dataclass (``SplitPass(max_rounds=4)``), so a
+configured pass is a value: it can stand in a pipeline (``passes=[...]``)
+and be part of a cache key.
+
+Two extension points let a pass act outside the pipeline, as torch.fx's
+``PassBase`` and xDSL's ``ModulePass`` hooks do; the pipeline calls them on
+the pass instances it holds, only for enabled passes, in pipeline order:
+
+* :meth:`Pass.trace_context`: a context entered while ``hlopass.jit`` traces
+  the user's function (before JAX's transformations have run);
+* :meth:`Pass.before_linearize`: a rewrite of a jaxpr that JAX is about to
+  linearise (``jax.grad`` of a hlopass function).
+
+What a pass finds there reaches its report as :class:`~hlopass.report.Note` s.
+
+A pass may declare capabilities in ``provides`` (``{"reorder_products"}``);
+an earlier pass asks :meth:`Pass.later_provides` whether a pass after it in
+the pipeline will do something, instead of testing pass names.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import dataclasses
+from typing import Any, ClassVar, ContextManager, Iterable
 
 from jax._src import core
 
 from hlopass.config import Config
 from hlopass.interpreter import rewrite_nested
-from hlopass.report import PassReport
+from hlopass.report import Note, PassReport
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """Options of a pass that has none."""
 
 
 class Pass:
-    """Base class for passes.
-
-    Subclasses set ``name`` and implement :meth:`run_level`, which rewrites one
-    jaxpr level (returning the same object when it changes nothing).
-    :meth:`run` applies it to every sub-jaxpr (scan/while/cond bodies, custom
-    derivative and checkpoint bodies) innermost first, then to the top level.
-    Passes with a global view (``recursive = False``) override :meth:`run`.
-    """
+    """Base class for passes (see the module docstring)."""
 
     name: ClassVar[str] = ""
     recursive: ClassVar[bool] = True
+    Options: ClassVar[type] = NoOptions
+    #: Capabilities this pass offers to the passes before it (see :meth:`later_provides`).
+    provides: ClassVar[frozenset[str]] = frozenset()
 
+    def __init__(self, options: Any = None, **fields):
+        if options is not None and fields:
+            raise TypeError(f"{type(self).__name__}: give options or fields, not both")
+        if options is not None and not isinstance(options, self.Options):
+            raise TypeError(f"{type(self).__name__}: options must be a {self.Options.__name__}, got {options!r}")
+        try:
+            self.options = options if options is not None else self.Options(**fields)
+        except TypeError as err:
+            names = ", ".join(f.name for f in dataclasses.fields(self.Options)) or "none"
+            raise TypeError(f"{type(self).__name__}: {err}; its options are: {names}") from None
+        self._later: dict[str, str] = {}
+
+    # -- identity: a configured pass is a value ------------------------------------------------
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.options == self.options
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.options))
+
+    def __repr__(self) -> str:
+        changed = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)
+                   if getattr(self.options, f.name) != f.default}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+    # -- position in the pipeline --------------------------------------------------------------
+    def placed_before(self, later: Iterable["Pass"]) -> "Pass":
+        """Tell the pass which passes run after it (the pipeline does this)."""
+        self._later = {}
+        for other in later:
+            for capability in other.provides:
+                self._later.setdefault(capability, other.name)
+        return self
+
+    def later_provides(self, capability: str) -> str | None:
+        """The name of the first pass later in the pipeline that declares ``capability`` in its
+        ``provides``, or ``None``."""
+        return self._later.get(capability)
+
+    # -- the pipeline step -----------------------------------------------------------------------
     def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+        """Rewrite ``closed``; return the new jaxpr (the same object when nothing changed) and the report."""
         report = PassReport(self.name)
         if self.recursive:
             new = rewrite_nested(closed, lambda level: self.run_level(level, config, report))
@@ -33,4 +99,21 @@ class Pass:
         return new, report
 
     def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
+        """Rewrite one jaxpr level (its sub-jaxprs are already done)."""
         raise NotImplementedError
+
+    # -- extension points ------------------------------------------------------------------------
+    def trace_context(self, config: Config, notes: list[Note]) -> ContextManager | None:
+        """A context entered while ``hlopass.jit`` traces the user's function, or ``None``.
+
+        Findings appended to ``notes`` reach this pass's report for the traced program.
+        """
+        return None
+
+    def before_linearize(self, closed: core.ClosedJaxpr, config: Config,
+                         notes: list[Note]) -> core.ClosedJaxpr:
+        """Rewrite a jaxpr JAX is about to linearise (``jax.grad`` of a hlopass function).
+
+        Returns ``closed`` itself when there is nothing to do; findings go to ``notes``.
+        """
+        return closed

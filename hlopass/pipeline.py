@@ -1,26 +1,40 @@
-"""Run the configured passes over a ClosedJaxpr, checking that each keeps the signature."""
+"""Run the configured passes over a ClosedJaxpr, and call their extension points.
+
+:func:`run_pipeline` is what the ``hlopass_call`` lowering rule calls: the
+passes of ``config.passes`` in order, each checked to keep the program's
+signature (and, when checks are on, its well-typedness); a pass that raises
+is skipped, logged and named in the report. :func:`trace_contexts` and
+:func:`before_linearize` call the passes' other extension points (see
+:class:`~hlopass.pass_base.Pass`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import traceback
 import weakref
+from typing import Iterator, Sequence
 
+import jax
 from jax._src import core
 
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
 from hlopass.jaxpr_utils import count_equations, largest_values
-from hlopass.registry import get_pass
-from hlopass.report import PassReport, PipelineReport
+from hlopass.pass_base import Pass
+from hlopass.report import Note, PassReport, PipelineReport
 
 logger = logging.getLogger("hlopass")
 
 #: Set to 1 to let exceptions inside passes propagate (the tests do); by
 #: default a failing pass is skipped, logged and named in the report.
 ENV_RAISE = "HLOPASS_RAISE_PASS_ERRORS"
+#: Set to 1 to type-check every pass's result with ``jax.core.check_jaxpr`` (the tests do;
+#: also on under ``jax_enable_checks``).
+ENV_CHECK = "HLOPASS_CHECK_PASSES"
 
 
 class PipelineResult:
@@ -33,26 +47,46 @@ class PipelineResult:
 
 
 _cache: "weakref.WeakKeyDictionary[core.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
-#: The most recent pipeline results, newest last (for ``hlopass.last_reports()`` and dumps).
-recent_results: list[PipelineResult] = []
 
 
-def run_pipeline(closed: core.ClosedJaxpr, config: Config, label: str = "function") -> PipelineResult:
-    """Run ``config.passes`` on ``closed``; cached per (jaxpr object, config)."""
+def run_pipeline(closed: core.ClosedJaxpr, config: Config, label: str = "function",
+                 notes: Sequence[Note] = ()) -> PipelineResult:
+    """Run ``config.passes`` on ``closed``; cached per (jaxpr object, config, notes).
+
+    ``notes`` are findings the passes' extension points made for this program;
+    each goes to the report of the pass that made it.
+    """
     try:
         per_jaxpr = _cache.setdefault(closed, {})
     except TypeError:
         per_jaxpr = {}
-    if config in per_jaxpr:
-        return per_jaxpr[config]
-    result = _run(closed, config, label)
-    per_jaxpr[config] = result
-    recent_results.append(result)
-    del recent_results[:-64]
-    return result
+    key = (config, tuple(notes))
+    if key not in per_jaxpr:
+        per_jaxpr[key] = _run(closed, config, label, notes)
+    return per_jaxpr[key]
 
 
-def _run(closed: core.ClosedJaxpr, config: Config, label: str) -> PipelineResult:
+def placed(config: Config) -> list[Pass]:
+    """The configured passes, each told which passes come after it."""
+    passes = list(config.passes)
+    return [_copy(p).placed_before(passes[k + 1:]) for k, p in enumerate(passes)]
+
+
+def _copy(pass_: Pass) -> Pass:
+    clone = object.__new__(type(pass_))
+    clone.__dict__.update(pass_.__dict__)
+    return clone
+
+
+def _raise_errors() -> bool:
+    return os.environ.get(ENV_RAISE, "") not in ("", "0")
+
+
+def _check_enabled() -> bool:
+    return os.environ.get(ENV_CHECK, "") not in ("", "0") or bool(jax.config.jax_enable_checks)
+
+
+def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note]) -> PipelineResult:
     report = PipelineReport(label=label, config_line=config.describe(),
                             equations_before=count_equations(closed))
     if not config.passes:
@@ -60,20 +94,24 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str) -> PipelineResult
         return PipelineResult(closed, closed, report)
     report.largest_before = largest_values(closed)
     current = inline_calls(closed)
-    for name in config.passes:
-        pass_ = get_pass(name)
+    for pass_ in placed(config):
         start = time.perf_counter()
         try:
             new, pass_report = pass_.run(current, config)
-            _check_signature(current, new, name)
+            _check_signature(current, new, pass_.name)
+            if new is not current and _check_enabled():
+                core.check_jaxpr(new.jaxpr)
         except Exception as err:  # noqa: BLE001 - never crash on an unknown program
-            if os.environ.get(ENV_RAISE, "") not in ("", "0"):
+            if _raise_errors():
                 raise
-            logger.warning("hlopass: pass %s failed on %s and was skipped: %s", name, label, err)
+            logger.warning("hlopass: pass %s failed on %s and was skipped: %s", pass_.name, label, err)
             logger.debug("%s", traceback.format_exc())
-            pass_report = PassReport(name)
-            pass_report.skip("<pass>", name, f"pass raised {type(err).__name__}: {err}")
+            pass_report = PassReport(pass_.name)
+            pass_report.skip("<pass>", pass_.name, f"pass raised {type(err).__name__}: {err}")
             new = current
+        for note in notes:
+            if note.pass_name == pass_.name:
+                pass_report.add_note(note)
         pass_report.seconds = time.perf_counter() - start
         report.passes.append(pass_report)
         for entry in pass_report.rewrites:
@@ -90,3 +128,35 @@ def _check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr, name: st
     if sig(before.in_avals) != sig(after.in_avals) or sig(before.out_avals) != sig(after.out_avals):
         raise TypeError(f"pass {name} changed the program's signature: "
                         f"{before.in_avals}->{before.out_avals} became {after.in_avals}->{after.out_avals}")
+
+
+@contextlib.contextmanager
+def trace_contexts(config: Config, notes: list[Note]) -> Iterator[None]:
+    """Enter the enabled passes' :meth:`~hlopass.pass_base.Pass.trace_context` s, in pipeline order."""
+    with contextlib.ExitStack() as stack:
+        for pass_ in placed(config):
+            context = pass_.trace_context(config, notes)
+            if context is not None:
+                stack.enter_context(context)
+        yield
+
+
+def before_linearize(closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, tuple[Note, ...]]:
+    """Apply the enabled passes' :meth:`~hlopass.pass_base.Pass.before_linearize` in pipeline order.
+
+    A pass that raises there is skipped (its failure becomes a note), as in :func:`run_pipeline`.
+    """
+    notes: list[Note] = []
+    for pass_ in placed(config):
+        try:
+            new = pass_.before_linearize(closed, config, notes)
+            if new is not closed:
+                _check_signature(closed, new, pass_.name)
+        except Exception as err:  # noqa: BLE001 - never crash on an unknown program
+            if _raise_errors():
+                raise
+            notes.append(Note(pass_.name, "skip", "<before linearize>",
+                              f"pass raised {type(err).__name__}: {err}", pass_.name))
+            continue
+        closed = new
+    return closed, tuple(notes)

@@ -1,7 +1,8 @@
 """The pass registry: names to pass classes, and parsing of pass lists.
 
-Built-in passes live in the top-level ``passes`` package (``passes.BUILTIN``);
-users add their own with :func:`register_pass`.
+The built-in passes live in the ``hlopass.passes`` package (its ``BUILTIN``
+table), loaded here and nowhere else in the engine; users add their own
+with :func:`register_pass`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import importlib
 from typing import Iterable
 
 from hlopass.errors import ConfigError
+from hlopass.pass_base import Pass
 
 _USER_PASSES: dict[str, type] = {}
 PASS_LIST_FORMS = (
     "a comma-separated list of pass names in order (e.g. 'algebraic,split'), "
     "'default' for the default pipeline, '-NAME' to drop a pass from it "
-    "(e.g. '-split' or 'default,-split'), or 'none' (or empty) for no passes"
+    "(e.g. '-split' or 'default,-split'), or 'none' (or empty) for no passes; "
+    "as a keyword also a sequence of names and configured passes (e.g. [SplitPass(max_rounds=4)])"
 )
 
 
@@ -24,13 +27,15 @@ def register_pass(cls: type) -> type:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"{cls!r} needs a non-empty string attribute 'name'")
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):
+        raise TypeError(f"{cls!r} must be a subclass of hlopass.Pass")
     _USER_PASSES[name] = cls
     return cls
 
 
 def _builtin_table() -> tuple[dict[str, str], tuple[str, ...]]:
-    import passes
-    return passes.BUILTIN, passes.DEFAULT_PIPELINE
+    builtin = importlib.import_module("hlopass.passes")
+    return builtin.BUILTIN, builtin.DEFAULT_PIPELINE
 
 
 def available_passes() -> list[str]:
@@ -44,15 +49,20 @@ def default_pipeline() -> tuple[str, ...]:
     return _builtin_table()[1]
 
 
-def get_pass(name: str):
-    """Return an instance of the pass registered as ``name``."""
+def pass_class(name: str) -> type:
+    """The pass class registered as ``name``."""
     if name in _USER_PASSES:
-        return _USER_PASSES[name]()
+        return _USER_PASSES[name]
     builtin, _ = _builtin_table()
     if name not in builtin:
         raise ConfigError(f"unknown pass {name!r}; available passes: {', '.join(available_passes())}")
     module_name, class_name = builtin[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)()
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def get_pass(name: str) -> Pass:
+    """An instance of the pass registered as ``name``, with default options."""
+    return pass_class(name)()
 
 
 def resolve_pass_names(value, setting: str = "passes") -> tuple[str, ...]:
@@ -60,23 +70,37 @@ def resolve_pass_names(value, setting: str = "passes") -> tuple[str, ...]:
 
     Raises ``ConfigError`` naming ``setting`` for unknown names or bad forms.
     """
+    return tuple(p if isinstance(p, str) else p.name for p in _resolve(value, setting, allow_instances=False))
+
+
+def resolve_passes(value, setting: str = "passes") -> tuple[Pass, ...]:
+    """Like :func:`resolve_pass_names`, but the passes themselves; configured passes
+    (``SplitPass(max_rounds=4)``) may stand in a sequence."""
+    return tuple(p if isinstance(p, Pass) else get_pass(p) for p in _resolve(value, setting, allow_instances=True))
+
+
+def _resolve(value, setting: str, allow_instances: bool) -> list:
     if value is None:
-        return default_pipeline()
+        return list(default_pipeline())
     if isinstance(value, str):
         items = [item.strip() for item in value.split(",")]
         items = [item for item in items if item]
         if len(items) == 1 and items[0].lower() == "none":
-            return ()
-    elif isinstance(value, Iterable):
+            return []
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray)):
         items = list(value)
-        if not all(isinstance(item, str) for item in items):
+        allowed = (str, Pass) if allow_instances else (str,)
+        if not all(isinstance(item, allowed) for item in items):
             raise ConfigError(f"{setting}={value!r}: pass names must be strings; accepted forms: {PASS_LIST_FORMS}")
     else:
         raise ConfigError(f"{setting}={value!r} is not a pass list; accepted forms: {PASS_LIST_FORMS}")
 
     known = available_passes()
-    result: list[str] = list(default_pipeline()) if items and items[0].startswith("-") else []
+    result: list = list(default_pipeline()) if items and isinstance(items[0], str) and items[0].startswith("-") else []
     for item in items:
+        if isinstance(item, Pass):
+            result.append(item)
+            continue
         if item == "default":
             result.extend(n for n in default_pipeline() if n not in result)
             continue
@@ -86,7 +110,7 @@ def resolve_pass_names(value, setting: str = "passes") -> tuple[str, ...]:
                 f"{setting}={value!r}: unknown pass {name!r}; available passes: {', '.join(known)}; "
                 f"accepted forms: {PASS_LIST_FORMS}")
         if item.startswith("-"):
-            result = [n for n in result if n != name]
+            result = [n for n in result if (n if isinstance(n, str) else n.name) != name]
         else:
             result.append(name)
-    return tuple(result)
+    return result

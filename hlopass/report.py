@@ -44,6 +44,21 @@ class Skip:
         return f"[{self.pass_name}] {self.location}: left {self.primitive} alone: {self.reason}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """A finding a pass made outside the pipeline (while the user's function was traced, or before
+    JAX linearised it), carried with the program to the pass's report.
+
+    ``kind`` is a rewrite kind, or ``"skip"`` for something left alone (``primitive`` names it).
+    """
+
+    pass_name: str
+    kind: str
+    location: str
+    summary: str
+    primitive: str = ""
+
+
 @dataclasses.dataclass
 class PassReport:
     """Everything one pass did to one jaxpr."""
@@ -59,6 +74,13 @@ class PassReport:
         entry = Rewrite(self.name, kind, location, summary, details)
         self.rewrites.append(entry)
         return entry
+
+    def add_note(self, note: Note) -> None:
+        """Record a :class:`Note` as a rewrite or a skip."""
+        if note.kind == "skip":
+            self.skipped.append(Skip(self.name, note.location, note.primitive, note.summary))
+        else:
+            self.rewrites.append(Rewrite(self.name, note.kind, note.location, note.summary))
 
     def skip(self, eqn_or_location, primitive: str, reason: str) -> Skip:
         """Record something left alone and why."""

@@ -1,8 +1,10 @@
-"""Test settings: passes raise instead of being skipped, so failures are visible."""
+"""Test settings: passes raise instead of being skipped, so failures are visible, and every
+pass's result is type-checked (``jax.core.check_jaxpr``)."""
 
 import os
 
 os.environ.setdefault("HLOPASS_RAISE_PASS_ERRORS", "1")
+os.environ.setdefault("HLOPASS_CHECK_PASSES", "1")
 for _name in ("HLOPASS_TENSOR_SIZE_THRESHOLD", "HLOPASS_TENSOR_SPLIT_SIZE", "HLOPASS_MEMORY_LIMIT",
               "HLOPASS_PASSES", "HLOPASS_DUMP_TO", "HLOPASS_STRICT"):
     os.environ.pop(_name, None)

@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
 
     figures = {
         "equations": count_equations(closed),
-        "default_passes": list(config.passes),
+        "default_passes": list(config.pass_names),
         "trace_s": trace_s,
         "passes_s": max(pass_s, 0.0),
         "first_call_jax_jit_s": first_jax,
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
         "recall_jax_jit_us": recall_jax * 1e6,
         "recall_hlopass_us": recall_hlo * 1e6,
     }
-    print(f"program with {figures['equations']} equations; passes: {', '.join(config.passes) or 'none'}")
+    print(f"program with {figures['equations']} equations; passes: {', '.join(config.pass_names) or 'none'}")
     print(f"  trace to jaxpr          {trace_s * 1e3:8.1f} ms")
     print(f"  all passes              {figures['passes_s'] * 1e3:8.1f} ms")
     print(f"  first call, jax.jit     {first_jax * 1e3:8.1f} ms")

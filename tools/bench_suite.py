@@ -19,7 +19,7 @@ child (seconds; peak RSS is then not per column and is left out).
 
 Writes ``results.json``, ``results.csv``, ``results.md`` (the README's table,
 with the machine described) and ``bench.png`` (memory and time per workload)
-to ``--out`` (default ``bench_results/``); ``--update-readme README.md`` also
+to ``--out`` (default ``tools/results/``); ``--update-readme README.md`` also
 writes the table between the README's ``<!-- bench_suite:start -->`` and
 ``<!-- bench_suite:end -->`` markers.
 """
@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from hlopass.demo import RESULT_MARKER, report_result, run_capped, short_error  # noqa: E402
+from hlopass.inspection.demo import RESULT_MARKER, report_result, run_capped, short_error  # noqa: E402
 from hlopass.sizes import format_size, parse_size  # noqa: E402
 
 COLUMNS = ("plain", "hand", "keops", "hlopass")
@@ -532,7 +532,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small sizes, all columns of a workload in one child")
     parser.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench_results"), help="folder for the results")
+    parser.add_argument("--out", default=os.path.join(ROOT, "tools", "results"), help="folder for the results")
     parser.add_argument("--json", help="also write results.json's content to this path")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 5, tiny 2)")
     parser.add_argument("--cap", default=DEFAULT_CAP, help=f"address-space cap per child (default {DEFAULT_CAP})")

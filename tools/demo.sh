@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh plot
-exec .venv/bin/python -m hlopass.demo "$@"
+exec .venv/bin/python -m hlopass.inspection.demo "$@"

@@ -7,11 +7,11 @@ broadcast distance, d = 3, float32, default settings) runs in a child process
 capped at ``--cap`` of address space; plain ``jax.jit`` runs too, at each n
 until it first fails. Each child reports XLA's temp memory, its peak RSS, the
 compile time, the time of one call, and the error against a float64
-reference on sampled rows (the children of ``python -m hlopass.demo``).
+reference on sampled rows (the children of ``python -m hlopass.inspection.demo``).
 
 Writes ``scaling.json``, ``scaling.csv`` and ``scaling.png`` (memory against
 n; time against n² with a least-squares fit ``t = a·n²``, as in the seed's
-Figure 2) to ``--out`` (default ``bench_results/``).
+Figure 2) to ``--out`` (default ``tools/results/``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from hlopass.demo import run_capped  # noqa: E402
+from hlopass.inspection.demo import run_capped  # noqa: E402
 from hlopass.sizes import format_size, parse_size  # noqa: E402
 
 DEFAULT_SIZES = (10_000, 20_000, 40_000, 60_000, 100_000, 140_000, 200_000)
@@ -38,7 +38,7 @@ DEFAULT_CAP = "4GB"
 
 def measure(mode: str, n: int, cap_bytes: int) -> dict:
     """One run of the demo's child for ``mode`` ("plain" or "hlopass") at ``n``."""
-    result = run_capped(["-m", "hlopass.demo", "--child", mode, "--n", str(n)], cap_bytes, timeout=1800,
+    result = run_capped(["-m", "hlopass.inspection.demo", "--child", mode, "--n", str(n)], cap_bytes, timeout=1800,
                         env={"PYTHONPATH": ROOT})
     return {"mode": mode, "n": n, "dense_kernel_bytes": n * n * 4, **result}
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", help="comma-separated n values (default: 10k ... 200k)")
     parser.add_argument("--tiny", action="store_true", help=f"sizes {TINY_SIZES} (seconds)")
     parser.add_argument("--cap", default=DEFAULT_CAP, help=f"address-space cap per child (default {DEFAULT_CAP})")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench_results"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "tools", "results"))
     options = parser.parse_args(argv)
     sizes = ([int(s) for s in options.sizes.split(",")] if options.sizes
              else list(TINY_SIZES if options.tiny else DEFAULT_SIZES))

@@ -1,0 +1,83 @@
+"""The vocabulary of primitives: families every pass and tool names the same way.
+
+One table per family, keyed by primitive name, the way JAX keeps its rule
+tables (``defvectorized``, ``dce_rules``). A pass that needs "every
+elementwise primitive" or "the monoid of this reduction" reads it here, so
+the split rules, the algebraic patterns, the drawings and the inliner cannot
+drift apart. Per-pass knowledge (how an axis runs through a primitive, how a
+polynomial expands) stays in the pass's own tables.
+"""
+
+from __future__ import annotations
+
+#: Primitives applied element by element (numpy broadcasting of size-1 axes and scalars).
+ELEMENTWISE = frozenset("""
+    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz conj
+    convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt
+    igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
+    not optimization_barrier or polygamma population_count pow real reduce_precision rem round rsqrt
+    select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
+    sub tan tanh xor zeta
+""".split())
+
+#: Reductions over ``axes`` and the monoid that combines partial results.
+REDUCTIONS: dict[str, str] = {
+    "reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
+    "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor",
+}
+
+#: Reductions to an index; each names its own monoid (value and first index).
+ARG_REDUCTIONS = frozenset({"argmax", "argmin"})
+
+#: Cumulative operations along ``axis`` and the operation they accumulate with.
+CUMULATIVE: dict[str, str] = {
+    "cumsum": "add", "cumprod": "mul", "cummax": "max", "cummin": "min", "cumlogsumexp": "logaddexp",
+}
+
+#: Plain calls of a sub-jaxpr: inlining one changes nothing.
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+#: Rematerialisation boundaries (``jax.checkpoint``): a call whose body JAX recomputes for the
+#: backward pass. Once JAX has split a program into forward and backward calls it is a plain call.
+REMAT = frozenset({"checkpoint", "remat", "remat2"})
+
+#: Calls with custom differentiation rules; their body is the primal computation.
+CUSTOM_DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+#: Loops; their bodies run many times.
+LOOPS = frozenset({"while", "scan"})
+
+#: Control flow with sub-jaxprs.
+CONTROL_FLOW = LOOPS | {"cond"}
+
+#: Every primitive whose equation simply runs one sub-jaxpr on its operands.
+INLINABLE = CALLS | REMAT | CUSTOM_DERIVATIVE_CALLS
+
+#: Element-wise monoids: ``combine(monoid, a, b)`` is one elementwise op.
+ELEMENTWISE_MONOIDS = ("add", "mul", "max", "min", "and", "or", "xor")
+
+
+def dot_general_labels(dimension_numbers, lhs_rank: int, rhs_rank: int):
+    """Label every axis of a ``dot_general`` like an einsum.
+
+    Returns ``(lhs, rhs, out)``: lists of labels ``("batch", k)``,
+    ``("contract", k)``, ``("lhs", d)`` (free axis ``d`` of the left operand)
+    and ``("rhs", d)``; the result's axes are the batch axes, then the left's
+    free axes, then the right's, as ``lax.dot_general`` orders them.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs: list = [None] * lhs_rank
+    rhs: list = [None] * rhs_rank
+    for k, (left, right) in enumerate(zip(lb, rb)):
+        lhs[left] = rhs[right] = ("batch", k)
+    for k, (left, right) in enumerate(zip(lc, rc)):
+        lhs[left] = rhs[right] = ("contract", k)
+    for d in range(lhs_rank):
+        if lhs[d] is None:
+            lhs[d] = ("lhs", d)
+    for d in range(rhs_rank):
+        if rhs[d] is None:
+            rhs[d] = ("rhs", d)
+    out = ([("batch", k) for k in range(len(lb))] + [label for label in lhs if label[0] == "lhs"]
+           + [label for label in rhs if label[0] == "rhs"])
+    return lhs, rhs, out

@@ -1,0 +1,136 @@
+"""``hlopass-dump``: show what hlopass does to a function.
+
+    hlopass-dump FILE_OR_MODULE:FUNCTION --arg f32[1000,3] --arg f32[1000,3] \
+        [--threshold SIZE] [--split-size SIZE] [--memory-limit SIZE] [--passes LIST] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from hlopass.errors import ConfigError
+
+DTYPES = {
+    "f16": jnp.float16, "bf16": jnp.bfloat16, "f32": jnp.float32, "f64": jnp.float64,
+    "i8": jnp.int8, "i16": jnp.int16, "i32": jnp.int32, "i64": jnp.int64,
+    "u8": jnp.uint8, "u32": jnp.uint32, "bool": jnp.bool_, "pred": jnp.bool_, "c64": jnp.complex64,
+}
+_SPEC_RE = re.compile(r"^\s*([a-z0-9]+)\s*\[\s*([0-9,\s]*)\]\s*$", re.IGNORECASE)
+
+
+class UsageError(Exception):
+    """A problem with the command line, reported without a traceback."""
+
+
+def parse_arg_spec(spec: str) -> jax.ShapeDtypeStruct:
+    """``f32[1000,3]`` -> ``ShapeDtypeStruct((1000, 3), float32)``; ``i32[]`` is a scalar."""
+    match = _SPEC_RE.match(spec)
+    if not match or match.group(1).lower() not in DTYPES:
+        raise UsageError(f"--arg {spec!r} is not an argument spec; expected DTYPE[D1,D2,...] with DTYPE one of "
+                         f"{', '.join(DTYPES)} (e.g. f32[1000,3], i32[] for a scalar)")
+    dims = [d.strip() for d in match.group(2).split(",") if d.strip()]
+    dtype = DTYPES[match.group(1).lower()]
+    if dtype in (jnp.float64, jnp.int64) and not jax.config.jax_enable_x64:
+        jax.config.update("jax_enable_x64", True)
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in dims), dtype)
+
+
+def load_function(target: str):
+    """``path/to/file.py:name`` or ``package.module:name`` -> the function object."""
+    if ":" not in target:
+        raise UsageError(f"target {target!r} must be FILE_OR_MODULE:FUNCTION (e.g. train.py:kernel_matvec)")
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py") or os.path.exists(where):
+        if not os.path.exists(where):
+            raise UsageError(f"file {where!r} does not exist")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec = importlib.util.spec_from_file_location("_hlopass_dump_target", where)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - report the user's error plainly
+            raise UsageError(f"importing {where!r} failed: {type(err).__name__}: {err}") from err
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise UsageError(f"cannot import module {where!r}: {err}") from err
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            available = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+            raise UsageError(f"{where!r} has no function {name!r}; callables there: {', '.join(available) or 'none'}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"{target!r} is not callable")
+    return obj
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hlopass-dump", description="Show what hlopass rewrites in a function "
+                                     "and the memory before and after. Nothing is executed.")
+    parser.add_argument("target", help="FILE.py:FUNCTION or package.module:FUNCTION")
+    parser.add_argument("--arg", action="append", default=[], metavar="SPEC",
+                        help="an argument as DTYPE[DIMS], e.g. f32[1000,3]; repeat per argument")
+    parser.add_argument("--threshold", help="HLOPASS_TENSOR_SIZE_THRESHOLD for this run (e.g. 100MB)")
+    parser.add_argument("--split-size", help="HLOPASS_TENSOR_SPLIT_SIZE for this run")
+    parser.add_argument("--memory-limit", help="HLOPASS_MEMORY_LIMIT for this run")
+    parser.add_argument("--passes", help="HLOPASS_PASSES for this run (e.g. 'algebraic,split')")
+    parser.add_argument("--out", default=None, help="folder to write the dump to (default: only print)")
+    parser.add_argument("--no-compile", action="store_true", help="skip XLA compilation (no memory figures)")
+    parser.add_argument("--format", choices=["text", "svg", "png"], default="text",
+                        help="also draw pictures of the graph and memory (needs the 'plot' extra)")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``hlopass-dump`` console script."""
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    try:
+        from hlopass.api import HlopassFunction
+        from hlopass.api import jit as hlopass_jit
+        from hlopass.inspection.dump import dump_explanation
+        from hlopass.inspection.explanation import explain
+
+        specs = [parse_arg_spec(s) for s in options.arg]
+        fun = load_function(options.target)
+        settings = {k: v for k, v in dict(threshold=options.threshold, split_size=options.split_size,
+                                          memory_limit=options.memory_limit, passes=options.passes).items()
+                    if v is not None}
+        if isinstance(fun, HlopassFunction):
+            function = hlopass_jit(fun._fun, **{**fun._overrides, **settings}, **fun._jit_kwargs)
+        else:
+            function = hlopass_jit(fun, **settings)
+        explanation = explain(function, *specs, compile=not options.no_compile)
+    except (UsageError, ConfigError) as err:
+        print(f"hlopass-dump: error: {err}", file=sys.stderr)
+        return 2
+    except TypeError as err:
+        print(f"hlopass-dump: error: calling {options.target} with {len(options.arg)} argument(s) failed: {err}",
+              file=sys.stderr)
+        return 2
+    print(explanation.summary())
+    if options.out:
+        folder = dump_explanation(explanation, options.out, subfolder=False)
+        if options.format != "text":
+            try:
+                from hlopass.inspection.draw import draw_explanation
+                draw_explanation(explanation, folder, options.format)
+            except ImportError as err:
+                print(f"hlopass-dump: pictures need the 'plot' extra (pip install hlopass[plot]): {err}",
+                      file=sys.stderr)
+        print(f"dump written to {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

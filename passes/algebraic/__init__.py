@@ -1,0 +1,241 @@
+"""The algebraic pass: match-and-replace of sums whose expansion never builds the big tensor.
+
+Matches: every ``reduce_sum`` and ``dot_general`` whose operand, expanded by
+:mod:`.expansion` into a sum of einsum monomials over smaller tensors,
+looks through a value larger than everything it reads and writes (or through
+a matrix product whose result is only partly used).
+
+Emits: one ``jnp.einsum`` per monomial. What that covers:
+
+* squared Euclidean distances ``Σ_d (x_nd − y_md)²`` in any spelling (powers,
+  squares, ``e*e``, either subtraction order, feature axis anywhere, batch
+  axes, per-feature scales, under ``sqrt``/``norm``) become
+  ``Σx² + Σy² − 2·x·yᵀ``, clamped at zero (kind ``squared_distance``);
+* broadcast-multiply-reduce ``(x[:,None,:] * y[None]).sum(-1)`` becomes a
+  ``dot_general`` (kind ``contraction``);
+* ``diag(A @ B)``, ``trace(A @ B)`` (kinds ``diagonal_of_product``,
+  ``trace_of_product``) and ``sum(A @ B, axis)`` (``sum_of_product``; left to
+  a later pass that provides ``reorder_products``, matrix_chain, when one
+  runs) skip the full product;
+* the derivatives of the above (``Σ_m g·(x − y)``, kind ``expanded_product``).
+
+Leaves alone: where the maths differs (``abs``, ``max``, a cube, another
+reduction, a difference of full-size tensors), where the removed value is
+below the size threshold (``config.threshold``; ``None`` means always), or
+where the removed value stays alive because something else reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax._src import core
+
+from hlopass.interpreter import Replacement, rewrite
+from hlopass.jaxpr_utils import aval_nbytes, aval_str
+from hlopass.pass_base import Pass
+from hlopass.report import source_line
+from hlopass.sizes import format_size
+
+from .expansion import EXPANSION_RULES, Expander, Expansion, Internal, NoMatch, Scope, check_emittable, emit
+
+ROOT_PRIMITIVES = ("reduce_sum", "dot_general", "cond")
+#: The capability of a later pass that takes sums of matrix products off this pass's hands.
+REORDERS_PRODUCTS = "reorder_products"
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One root equation whose expansion may replace it."""
+
+    index: int
+    eqn: core.JaxprEqn
+    expander: Expander
+    expansion: Expansion
+    output_labels: tuple
+    removed: Internal
+    kind: str
+
+    @property
+    def clamp(self) -> bool:
+        return self.kind == "squared_distance"
+
+    def build(self, *values):
+        out = self.eqn.outvars[0].aval
+        return [emit(self.expansion, list(values), self.output_labels, self.expander.label_sizes,
+                     tuple(out.shape), out.dtype, clamp_at_zero=self.clamp)]
+
+
+#: Primitives of a plain chain of products and sums (what the matrix-chain pass reorders).
+CHAIN_PRIMITIVES = frozenset({"dot_general", "reduce_sum", "transpose", "convert_element_type", "reshape",
+                              "squeeze", "expand_dims"})
+
+
+def classify(expansion: Expansion, candidate_internal: list[Internal], output_labels: tuple) -> str:
+    """Name the rewrite for the report from the shape of the expansion."""
+    has_dot = any(i.primitive == "dot_general" for i in candidate_internal)
+    has_delta = any(m.deltas for m in expansion.monomials)
+    if has_dot and has_delta:
+        return "trace_of_product" if all(lab is None for lab in output_labels) else "diagonal_of_product"
+    if expansion.nonneg and expansion.depth == 2:
+        return "squared_distance"
+    if has_dot and all(i.primitive in CHAIN_PRIMITIVES for i in candidate_internal):
+        return "sum_of_product"
+    if expansion.depth == 0:
+        return "contraction"
+    return "expanded_product"
+
+
+def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
+                   products_reordered_by: str | None = None, scope: Scope | None = None) -> Candidate | None:
+    """The candidate rooted at equation ``index``, or ``None`` (recording why when it matters).
+
+    Plain sums of matrix products are left to the pass named ``products_reordered_by``
+    (a later pass that reorders products), if any.
+    """
+    eqn = jaxpr.eqns[index]
+    out = eqn.outvars[0]
+    if len(eqn.outvars) != 1 or np.dtype(out.aval.dtype).kind != "f":
+        return None
+    expander = Expander(jaxpr, scope)
+    labels = expander.fresh_labels(out.aval.shape)
+    try:
+        expansion = EXPANSION_RULES[eqn.primitive.name](expander, eqn, expander.top, 0, labels)
+        check_emittable(expansion, labels)
+    except NoMatch as reason:
+        if _is_large(eqn, threshold):
+            report.skip(eqn, eqn.primitive.name, str(reason))
+        return None
+    worth_telling = _is_large(eqn, threshold) and (expander.notes or _reads_computed_operand_sized(expander, eqn))
+    kept = max([aval_nbytes(out.aval)] + [aval_nbytes(v.aval) for v in expander.sources])
+    internal = list(expander.internal.values())
+    if not internal:
+        if worth_telling:
+            report.skip(eqn, eqn.primitive.name, _why_not(expander))
+        return None
+    removed = max(internal, key=lambda i: i.nbytes)
+    if threshold is not None and removed.nbytes <= threshold:
+        return None
+    kind = classify(expansion, internal, labels)
+    partly_used_product = kind in ("trace_of_product", "diagonal_of_product", "sum_of_product") and any(
+        i.primitive == "dot_general" and i.nbytes >= kept for i in internal)
+    if removed.nbytes <= kept and not partly_used_product:
+        if worth_telling:
+            reason = _why_not(expander) if expander.notes else (
+                f"the expansion would read tensors as large as the {aval_str(removed.var.aval)} it removes")
+            report.skip(eqn, eqn.primitive.name, reason)
+        return None
+    if kind == "sum_of_product" and products_reordered_by:
+        report.skip(eqn, eqn.primitive.name, f"a sum of a matrix product: left to the {products_reordered_by} "
+                    "pass, which reorders products")
+        return None
+    return Candidate(index, eqn, expander, expansion, labels, removed, kind)
+
+
+def _is_large(eqn, threshold) -> bool:
+    """Worth a line in the report: a sum of a tensor larger than its result (and than the threshold)."""
+    if eqn.primitive.name != "reduce_sum":
+        return False
+    operand = aval_nbytes(eqn.invars[0].aval)
+    return operand > aval_nbytes(eqn.outvars[0].aval) and (threshold is None or operand > threshold)
+
+
+def _reads_computed_operand_sized(expander: Expander, eqn) -> bool:
+    """The expansion stopped at a computed value as large as the root's operand (an ``abs``, say)."""
+    size = aval_nbytes(eqn.invars[0].aval)
+    return any(expander.top.defining(v) is not None and aval_nbytes(v.aval) >= size for v in expander.sources)
+
+
+def _why_not(expander: Expander) -> str:
+    if expander.notes:
+        return "; ".join(dict.fromkeys(expander.notes))
+    leaves = [f"{_producer_name(expander, v)} {aval_str(v.aval)}" for v in expander.sources]
+    return "its operand is not a polynomial in smaller tensors (reads " + ", ".join(leaves) + ")"
+
+
+def _producer_name(expander: Expander, var) -> str:
+    found = expander.top.defining(var)
+    return found[2].primitive.name if found else "input"
+
+
+def live_vars(jaxpr: core.Jaxpr, replaced: dict[int, list]) -> set:
+    """Variables still needed once the equations in ``replaced`` read only the given inputs."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        if not eqn.effects and not any(v in needed for v in eqn.outvars):
+            continue
+        reads = replaced[i] if i in replaced else eqn.invars
+        needed.update(v for v in reads if isinstance(v, core.Var))
+    return needed
+
+
+def keep_effective(jaxpr: core.Jaxpr, candidates: list[Candidate], report) -> list[Candidate]:
+    """Drop candidates whose removed tensor would stay alive (read elsewhere), until none does."""
+    accepted = list(candidates)
+    while True:
+        live = live_vars(jaxpr, {c.index: c.expander.sources for c in accepted})
+        stuck = [c for c in accepted if c.removed.var in live]
+        if not stuck:
+            return [c for c in accepted if any(v in live for v in c.eqn.outvars)]  # others end up dead
+        for c in stuck:
+            report.skip(c.eqn, c.eqn.primitive.name,
+                        f"{aval_str(c.removed.var.aval)} would stay alive: something else reads it")
+        accepted = [c for c in accepted if c not in stuck]
+
+
+class AlgebraicPass(Pass):
+    """Match-and-replace: expand sums of broadcast products into einsums over the small tensors.
+
+    Matches ``reduce_sum``/``dot_general`` equations (see the module docstring
+    for the covered forms); emits ``jnp.einsum`` s (``dot_general`` s) over the
+    original small inputs, with the squared distance clamped at zero.
+    """
+
+    name = "algebraic"
+
+    def run_level(self, closed: core.ClosedJaxpr, config, report) -> core.ClosedJaxpr:
+        jaxpr = closed.jaxpr
+        scope = Scope(jaxpr)
+        later = self.later_provides(REORDERS_PRODUCTS)
+        found = [find_candidate(jaxpr, i, config.threshold, report, later, scope)
+                 for i, eqn in enumerate(jaxpr.eqns)
+                 if eqn.primitive.name in ROOT_PRIMITIVES and _touches_large(eqn, config.threshold)]
+        candidates = keep_effective(jaxpr, [c for c in found if c is not None], report)
+        if not candidates:
+            return closed
+        for c in candidates:
+            report.rewrite(c.kind, _location(jaxpr, c), _summary(c), removed_type=aval_str(c.removed.var.aval),
+                           removed_bytes=c.removed.nbytes, terms=len(c.expansion.monomials),
+                           clamped=c.clamp)
+        replacements = [Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
+                        for c in candidates]
+        return rewrite(closed, replacements, name="algebraic")
+
+
+def _touches_large(eqn, threshold: int | None) -> bool:
+    """Whether a root reads or writes a value over the threshold: a cheap filter, since a rewrite
+    must remove such a value and it is read by the root (or is the root's own result); the
+    expansion walk itself is linear in the program, which made the pass quadratic."""
+    if threshold is None:
+        return True
+    values = [v for v in (*eqn.invars, *eqn.outvars) if isinstance(v, core.Var)]
+    return any(aval_nbytes(v.aval) > threshold for v in values)
+
+
+def _location(jaxpr: core.Jaxpr, c: Candidate) -> str:
+    """The user's source line: the root's, else that of the latest looked-through equation that has one."""
+    indices = [c.index] + sorted((i.eqn_index for i in c.expander.internal.values()), reverse=True)
+    for i in indices:
+        where = source_line(jaxpr.eqns[i])
+        if where != "<unknown>":
+            return where
+    return "<unknown>"
+
+
+def _summary(c: Candidate) -> str:
+    what = c.kind.replace("_", " ")
+    return (f"{what}: {c.eqn.primitive.name} -> {aval_str(c.eqn.outvars[0].aval)} no longer builds "
+            f"{aval_str(c.removed.var.aval)} ({format_size(c.removed.nbytes)}); "
+            f"{len(c.expansion.monomials)} einsum term(s){', clamped at zero' if c.clamp else ''}")

@@ -1,0 +1,676 @@
+"""Matching algebra in jaxprs by normalisation: einsum polynomials over small tensors.
+
+Every spelling of a squared distance, a broadcast product or a trace is the
+same polynomial once written with explicit indices::
+
+    Σ_d (x[n,d] − y[m,d])²   =   Σ_d x[n,d]² − 2 Σ_d x[n,d] y[m,d] + Σ_d y[m,d]²
+
+So instead of listing spellings, :class:`Expander` walks backwards from a
+value and rewrites it into an :class:`Expansion`: a sum of :class:`Monomial`
+s, each a coefficient times a product of *factors* (small tensors read from
+the jaxpr, indexed by integer labels), Kronecker deltas between labels, and
+a set of labels summed over. Broadcasts, reshapes that add or drop unit axes,
+transposes and ``convert_element_type`` only relabel; ``add``/``sub``/``neg``
+/``mul``/``div`` by a monomial, ``integer_pow``/``square``/``pow(·, 2.0)``
+are polynomial arithmetic (so commutativity and the operand order of a
+subtraction under a square disappear); ``reduce_sum`` and ``dot_general``
+add summed labels; an identity mask (``iota == iota``, as ``jnp.eye``,
+``jnp.trace`` and ``jnp.diagonal`` build it) is a delta. ``pjit``,
+``custom_jvp_call``/``custom_vjp_call`` and platform-dependent ``cond`` s are
+entered (the passes run after JAX has differentiated the program, so custom
+derivative rules no longer matter). Anything else (``abs``, ``exp``,
+``max``...) is a *leaf*: an opaque factor with the shape it has.
+
+Per-primitive knowledge lives in the ``EXPANSION_RULES`` table; a new identity is one
+small function registered with :func:`rule`. A rewrite then reads the
+expansion (:class:`Expansion`) and emits it with :func:`emit`, one
+``jnp.einsum`` per monomial, none of which materialises the broadcast
+product.
+
+``Expansion.depth`` counts how many sums were multiplied together: 1 for
+``g·(x − y)``, 2 for ``(x − y)²``. Expansions deeper than 2 (a cube of a
+difference) are refused: expanding them cancels catastrophically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import numpy as np
+import opt_einsum
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+
+from hlopass.jaxpr_utils import aval_nbytes
+
+#: The most sums multiplied together that an expansion may hold (2: a square).
+MAX_DEPTH = 2
+#: The most monomials an expansion may hold before matching gives up.
+MAX_TERMS = 32
+#: The most equations one expansion may visit.
+MAX_VISITS = 400
+
+
+class NoMatch(Exception):
+    """The value cannot be expanded; the message says why (it ends up in the pass report)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Polynomials over indexed factors
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Factor:
+    """``source`` (an index into :attr:`Expander.sources`) raised to ``power``.
+
+    ``labels`` has one entry per axis of the source: an index label, or
+    ``None`` for an axis of size 1 (squeezed away when emitted).
+    """
+
+    source: int
+    labels: tuple
+    power: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Monomial:
+    """``coeff · Π factors · Π δ(a, b)``, summed over the labels in ``summed``."""
+
+    coeff: float
+    factors: tuple[Factor, ...] = ()
+    deltas: tuple[tuple[int, int], ...] = ()
+    summed: frozenset = frozenset()
+
+    @property
+    def key(self):
+        return self.factors, self.deltas, self.summed
+
+
+@dataclasses.dataclass(frozen=True)
+class Expansion:
+    """A sum of monomials; ``depth`` = sums multiplied together, ``nonneg`` = a sum of even powers."""
+
+    monomials: tuple[Monomial, ...]
+    depth: int = 0
+    nonneg: bool = False
+
+    @property
+    def is_monomial(self) -> bool:
+        return len(self.monomials) == 1 and self.depth == 0
+
+
+def constant(value: float) -> Expansion:
+    """The constant ``value`` (the empty sum when it is zero)."""
+    return Expansion((Monomial(float(value)),) if value != 0 else (), 0, value >= 0)
+
+
+def constant_value(a: Expansion) -> float | None:
+    """The value of a constant expansion (``sub 2.0 1.0``, say), else ``None``."""
+    if not a.monomials:
+        return 0.0
+    if len(a.monomials) == 1 and not a.monomials[0].factors and not a.monomials[0].deltas \
+            and not a.monomials[0].summed:
+        return a.monomials[0].coeff
+    return None
+
+
+def _merge_factors(factors) -> tuple[Factor, ...]:
+    powers: dict[tuple, int] = {}
+    for f in factors:
+        powers[(f.source, f.labels)] = powers.get((f.source, f.labels), 0) + f.power
+    return tuple(sorted(Factor(s, labels, p) for (s, labels), p in powers.items() if p != 0))
+
+
+def _collect(monomials) -> tuple[Monomial, ...]:
+    """Combine like monomials, drop zeros, refuse blow-ups."""
+    coeffs: dict[tuple, float] = {}
+    for m in monomials:
+        coeffs[m.key] = coeffs.get(m.key, 0.0) + m.coeff
+    out = tuple(Monomial(c, *key) for key, c in coeffs.items() if c != 0)
+    if len(out) > MAX_TERMS:
+        raise NoMatch(f"expansion has more than {MAX_TERMS} terms")
+    return out
+
+
+def add(a: Expansion, b: Expansion, sign: float = 1.0) -> Expansion:
+    """``a + sign·b``."""
+    monomials = _collect(a.monomials + tuple(dataclasses.replace(m, coeff=sign * m.coeff) for m in b.monomials))
+    depth = max(a.depth, b.depth, 1 if len(monomials) > 1 else 0)
+    return Expansion(monomials, depth, a.nonneg and b.nonneg and sign > 0)
+
+
+def scale(a: Expansion, c: float) -> Expansion:
+    """``c·a``."""
+    return Expansion(_collect(dataclasses.replace(m, coeff=c * m.coeff) for m in a.monomials),
+                     a.depth, a.nonneg and c >= 0)
+
+
+def multiply(a: Expansion, b: Expansion, square: bool = False) -> Expansion:
+    """``a·b`` expanded; ``square`` says ``b`` is ``a`` again (the product is non-negative)."""
+    depth = a.depth + b.depth
+    if depth > MAX_DEPTH:
+        raise NoMatch(f"a product of {depth} sums (e.g. a cube of a difference) would cancel catastrophically")
+    products = (Monomial(x.coeff * y.coeff, _merge_factors(x.factors + y.factors),
+                         tuple(sorted(x.deltas + y.deltas)), x.summed | y.summed)
+                for x, y in itertools.product(a.monomials, b.monomials))
+    return Expansion(_collect(products), depth, square or (a.nonneg and b.nonneg))
+
+
+def sum_over(a: Expansion, labels) -> Expansion:
+    """``Σ_labels a``."""
+    extra = frozenset(label for label in labels if label is not None)
+    return Expansion(_collect(dataclasses.replace(m, summed=m.summed | extra) for m in a.monomials),
+                     a.depth, a.nonneg)
+
+
+def reciprocal(a: Expansion) -> Expansion:
+    """``1/a`` for a single monomial without sums or deltas."""
+    if not a.is_monomial:
+        raise NoMatch("division by a sum is not a polynomial")
+    (m,) = a.monomials
+    if m.deltas or m.summed:
+        raise NoMatch("division by a reduction or a mask is not a polynomial")
+    factors = tuple(dataclasses.replace(f, power=-f.power) for f in m.factors)
+    return Expansion((Monomial(1.0 / m.coeff, factors),), 0, a.nonneg)
+
+
+# --------------------------------------------------------------------------------------------
+# Scopes: seeing through call-like equations
+# --------------------------------------------------------------------------------------------
+
+class Scope:
+    """One jaxpr level: who defines each variable, and what its inputs are bound to outside."""
+
+    def __init__(self, jaxpr: core.Jaxpr, parent: "Scope | None" = None, bindings=None, consts=()):
+        self.jaxpr = jaxpr
+        self.parent = parent
+        self.bindings: dict[core.Var, tuple[Any, Scope]] = dict(bindings or {})
+        self.producer: dict[core.Var, tuple[int, int]] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for k, var in enumerate(eqn.outvars):
+                self.producer[var] = (i, k)
+        self.consts = dict(zip(jaxpr.constvars, consts)) if parent is not None else {}
+
+    @property
+    def is_top(self) -> bool:
+        return self.parent is None
+
+    def resolve(self, atom) -> tuple[Any, "Scope"]:
+        """Follow sub-jaxpr inputs out to the atom that feeds them."""
+        scope = self
+        while isinstance(atom, core.Var) and atom in scope.bindings:
+            atom, scope = scope.bindings[atom]
+        return atom, scope
+
+    def defining(self, atom):
+        """``(index, output position, eqn)`` of the equation defining ``atom``, or ``None``."""
+        found = self.producer.get(atom) if isinstance(atom, core.Var) else None
+        if found is None:
+            return None
+        return found[0], found[1], self.jaxpr.eqns[found[0]]
+
+
+def _body(eqn: core.JaxprEqn):
+    """The sub-jaxpr a call-like equation runs on its inputs (and how many leading inputs it skips)."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        body = eqn.params.get(key)
+        if isinstance(body, core.ClosedJaxpr):
+            return body.jaxpr, body.consts
+        if isinstance(body, core.Jaxpr):
+            return body, ()
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The expander and its per-primitive rules
+# --------------------------------------------------------------------------------------------
+
+Rule = Callable[["Expander", core.JaxprEqn, Scope, int, tuple], Expansion]
+EXPANSION_RULES: dict[str, Rule] = {}
+
+
+def rule(*names: str):
+    """Register an expansion rule for primitives ``names``: ``fn(expander, eqn, scope, out_index, labels)``."""
+    def register(fn: Rule) -> Rule:
+        for name in names:
+            EXPANSION_RULES[name] = fn
+        return fn
+    return register
+
+
+@dataclasses.dataclass
+class Internal:
+    """A value the expansion looks through (it disappears if nothing else reads it)."""
+
+    var: core.Var
+    eqn_index: int
+    nbytes: int
+    primitive: str
+
+
+class Expander:
+    """Expands values of one jaxpr level (the *top* scope) into :class:`Expansion` s.
+
+    ``sources`` are the top-level variables the factors read; ``label_sizes``
+    maps every label to its extent; ``internal`` lists the top-level values
+    looked through; ``notes`` says why sub-expressions became leaves.
+    """
+
+    def __init__(self, jaxpr: core.Jaxpr, top: Scope | None = None):
+        self.top = top if top is not None else Scope(jaxpr)  # share one Scope across expanders of a level
+        self.sources: list[core.Var] = []
+        self._source_index: dict[core.Var, int] = {}
+        self.label_sizes: dict[int, int] = {}
+        self.internal: dict[core.Var, Internal] = {}
+        self.notes: list[str] = []
+        self._labels = itertools.count()
+        self._visits = 0
+
+    def fresh(self, size: int) -> int | None:
+        """A new label of extent ``size`` (``None`` for size 1)."""
+        if size == 1:
+            return None
+        label = next(self._labels)
+        self.label_sizes[label] = size
+        return label
+
+    def fresh_labels(self, shape) -> tuple:
+        return tuple(self.fresh(int(s)) for s in shape)
+
+    # -- the walk ------------------------------------------------------------------------------
+    def expand(self, atom, scope: Scope, labels: tuple) -> Expansion:
+        """Expansion of ``atom`` (in ``scope``) with its axes indexed by ``labels``."""
+        atom, scope = scope.resolve(atom)
+        if isinstance(atom, core.Literal):
+            return self._literal(atom.val)
+        if atom in scope.consts:
+            return self._literal(scope.consts[atom])
+        self._visits += 1
+        if self._visits > MAX_VISITS:
+            raise NoMatch("expression too large to expand")
+        found = scope.defining(atom)
+        if found is not None:
+            index, position, eqn = found
+            fn = EXPANSION_RULES.get(eqn.primitive.name)
+            if fn is not None:
+                looked_through = set(self.internal)
+                try:
+                    result = fn(self, eqn, scope, position, labels)
+                except NoMatch as reason:
+                    if not scope.is_top:
+                        raise
+                    self.notes.append(f"{eqn.primitive.name}: {reason}")
+                    for var in set(self.internal) - looked_through:  # the value below is a leaf after all
+                        del self.internal[var]
+                else:
+                    if scope.is_top:
+                        self.internal.setdefault(atom, Internal(atom, index, aval_nbytes(atom.aval), eqn.primitive.name))
+                    return result
+        return self._leaf(atom, scope, labels)
+
+    def operand(self, eqn, scope, k: int, labels: tuple) -> Expansion:
+        """Expansion of ``eqn.invars[k]`` for an elementwise ``eqn`` whose output axes carry ``labels``.
+
+        Operands of lower rank are scalars; axes of size 1 against a larger
+        output are implicit broadcasts and get no label.
+        """
+        atom = eqn.invars[k]
+        shape = tuple(atom.aval.shape)
+        out_shape = tuple(eqn.outvars[0].aval.shape)
+        if not shape:
+            return self.expand(atom, scope, ())
+        if len(shape) != len(out_shape):
+            raise NoMatch(f"{eqn.primitive.name} with operands of different ranks")
+        return self.expand(atom, scope, tuple(lab if s == o else None for lab, s, o in zip(labels, shape, out_shape)))
+
+    def _literal(self, value) -> Expansion:
+        array = np.asarray(value)
+        if array.ndim == 0 and array.dtype.kind in "biuf":
+            return constant(float(array))
+        if array.size and np.all(array == array.flat[0]) and array.dtype.kind in "biuf":
+            return constant(float(array.flat[0]))
+        raise NoMatch("non-uniform constant array")
+
+    def _leaf(self, atom, scope: Scope, labels: tuple) -> Expansion:
+        if not scope.is_top:
+            raise NoMatch(f"a value inside a sub-jaxpr ({atom.aval.str_short()}) is not readable outside it")
+        if atom not in self._source_index:
+            self._source_index[atom] = len(self.sources)
+            self.sources.append(atom)
+        labels = tuple(lab if int(s) != 1 else None for lab, s in zip(labels, atom.aval.shape))
+        return Expansion((Monomial(1.0, (Factor(self._source_index[atom], labels),)),), 0, False)
+
+
+# -- relabelling ------------------------------------------------------------------------------
+
+@rule("convert_element_type")
+def _convert(ex, eqn, scope, _k, labels):
+    """A cast to a real floating type keeps the value (booleans become a 0/1 mask); the einsums
+    compute in the result's type."""
+    source, target = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    if target.kind != "f" or source.kind not in "biuf":
+        raise NoMatch(f"conversion from {source} to {target} is not a real-number identity")
+    return ex.expand(eqn.invars[0], scope, labels)
+
+
+@rule("copy", "copy_p", "optimization_barrier_never")
+def _identity(ex, eqn, scope, _k, labels):
+    return ex.expand(eqn.invars[0], scope, labels)
+
+
+@rule("broadcast_in_dim")
+def _broadcast(ex, eqn, scope, _k, labels):
+    (operand,) = eqn.invars[:1]
+    out_shape = eqn.params["shape"]
+    in_labels = tuple(labels[d] if int(s) == int(out_shape[d]) else None
+                      for s, d in zip(operand.aval.shape, eqn.params["broadcast_dimensions"]))
+    return ex.expand(operand, scope, in_labels)
+
+
+@rule("transpose")
+def _transpose(ex, eqn, scope, _k, labels):
+    in_labels = [None] * len(labels)
+    for out_axis, in_axis in enumerate(eqn.params["permutation"]):
+        in_labels[in_axis] = labels[out_axis]
+    return ex.expand(eqn.invars[0], scope, tuple(in_labels))
+
+
+@rule("reshape", "squeeze", "expand_dims")
+def _unit_reshape(ex, eqn, scope, _k, labels):
+    """Reshapes that only add or drop axes of size 1."""
+    operand = eqn.invars[0]
+    in_shape, out_shape = tuple(operand.aval.shape), tuple(eqn.outvars[0].aval.shape)
+    if eqn.params.get("dimensions") not in (None, ()) and eqn.primitive.name == "reshape":
+        raise NoMatch("reshape with a dimension order")
+    kept_out = [lab for lab, s in zip(labels, out_shape) if int(s) != 1]
+    if [int(s) for s in in_shape if int(s) != 1] != [int(s) for s in out_shape if int(s) != 1]:
+        raise NoMatch("reshape that merges or splits axes")
+    it = iter(kept_out)
+    return ex.expand(operand, scope, tuple(next(it) if int(s) != 1 else None for s in in_shape))
+
+
+# -- arithmetic -------------------------------------------------------------------------------
+
+@rule("add", "add_any")
+def _add(ex, eqn, scope, _k, labels):
+    return add(ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels))
+
+
+@rule("sub")
+def _sub(ex, eqn, scope, _k, labels):
+    return add(ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels), sign=-1.0)
+
+
+@rule("neg")
+def _neg(ex, eqn, scope, _k, labels):
+    return scale(ex.operand(eqn, scope, 0, labels), -1.0)
+
+
+@rule("mul")
+def _mul(ex, eqn, scope, _k, labels):
+    same = scope.resolve(eqn.invars[0]) == scope.resolve(eqn.invars[1])
+    return multiply(ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels), square=same)
+
+
+@rule("div")
+def _div(ex, eqn, scope, _k, labels):
+    return multiply(ex.operand(eqn, scope, 0, labels), reciprocal(ex.operand(eqn, scope, 1, labels)))
+
+
+def _power(ex, eqn, scope, labels, y: int) -> Expansion:
+    if y == 0:
+        return constant(1.0)
+    if y < 0:
+        return reciprocal(_power(ex, eqn, scope, labels, -y))
+    result = ex.operand(eqn, scope, 0, labels)
+    for _ in range(y - 1):  # expand each copy afresh: summed labels must not be shared
+        result = multiply(result, ex.operand(eqn, scope, 0, labels))
+    return dataclasses.replace(result, nonneg=result.nonneg or y % 2 == 0)
+
+
+@rule("integer_pow")
+def _integer_pow(ex, eqn, scope, _k, labels):
+    return _power(ex, eqn, scope, labels, int(eqn.params["y"]))
+
+
+@rule("square")
+def _square(ex, eqn, scope, _k, labels):
+    return _power(ex, eqn, scope, labels, 2)
+
+
+@rule("pow")
+def _pow(ex, eqn, scope, _k, labels):
+    value = constant_value(ex.operand(eqn, scope, 1, labels))
+    if value is None or value != round(value) or abs(value) > 4:
+        raise NoMatch("pow with an exponent that is not a small integer constant")
+    return _power(ex, eqn, scope, labels, int(round(value)))
+
+
+# -- sums and contractions --------------------------------------------------------------------
+
+@rule("reduce_sum")
+def _reduce_sum(ex, eqn, scope, _k, labels):
+    operand = eqn.invars[0]
+    axes = set(int(a) for a in eqn.params["axes"])
+    it = iter(labels)
+    in_labels = tuple(ex.fresh(int(s)) if i in axes else next(it) for i, s in enumerate(operand.aval.shape))
+    return sum_over(ex.expand(operand, scope, in_labels), [in_labels[a] for a in axes])
+
+
+def dot_general_labels(ex: Expander, eqn, labels: tuple) -> tuple[tuple, tuple, list]:
+    """Labels of a ``dot_general`` 's two operands given its output's, and the contracted labels."""
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+    lhs_shape, rhs_shape = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    lhs, rhs = [None] * len(lhs_shape), [None] * len(rhs_shape)
+    out = iter(labels)
+    for a, b in zip(lhs_b, rhs_b):
+        lhs[a] = rhs[b] = next(out)
+    free_l = [a for a in range(len(lhs_shape)) if a not in lhs_c and a not in lhs_b]
+    free_r = [b for b in range(len(rhs_shape)) if b not in rhs_c and b not in rhs_b]
+    for a in free_l:
+        lhs[a] = next(out)
+    for b in free_r:
+        rhs[b] = next(out)
+    contracted = []
+    for a, b in zip(lhs_c, rhs_c):
+        lhs[a] = rhs[b] = ex.fresh(int(lhs_shape[a]))
+        contracted.append(lhs[a])
+    return tuple(lhs), tuple(rhs), contracted
+
+
+@rule("dot_general")
+def _dot_general(ex, eqn, scope, _k, labels):
+    lhs, rhs, contracted = dot_general_labels(ex, eqn, labels)
+    product = multiply(ex.expand(eqn.invars[0], scope, lhs), ex.expand(eqn.invars[1], scope, rhs))
+    return sum_over(product, contracted)
+
+
+# -- masks ------------------------------------------------------------------------------------
+
+def _iota_axis(atom, scope: Scope, shape) -> tuple[int, float] | None:
+    """``(axis, offset)`` when ``atom`` is ``iota(axis) + offset`` of the given shape."""
+    atom, scope = scope.resolve(atom)
+    found = scope.defining(atom)
+    if found is None:
+        return None
+    _, _, eqn = found
+    if eqn.primitive.name == "iota" and tuple(eqn.params["shape"]) == tuple(shape):
+        return int(eqn.params["dimension"]), 0.0
+    if eqn.primitive.name in ("add", "sub"):
+        for k in (0, 1):
+            other, _ = scope.resolve(eqn.invars[1 - k])
+            if isinstance(other, core.Literal) and np.asarray(other.val).ndim == 0:
+                inner = _iota_axis(eqn.invars[k], scope, shape)
+                if inner is not None and (k == 0 or eqn.primitive.name == "add"):
+                    sign = -1.0 if eqn.primitive.name == "sub" else 1.0
+                    return inner[0], inner[1] + sign * float(np.asarray(other.val))
+    return None
+
+
+@rule("eq")
+def _eq(ex, eqn, scope, _k, labels):
+    """``iota(a) == iota(b)``: the identity mask δ(a, b)."""
+    shape = eqn.outvars[0].aval.shape
+    left, right = (_iota_axis(v, scope, shape) for v in eqn.invars)
+    if left is None or right is None or left[0] == right[0] or left[1] != right[1]:
+        raise NoMatch("a comparison that is not an identity mask")
+    a, b = labels[left[0]], labels[right[0]]
+    if a is None or b is None:
+        return constant(1.0)
+    return Expansion((Monomial(1.0, (), ((min(a, b), max(a, b)),)),), 0, True)
+
+
+@rule("select_n")
+def _select_n(ex, eqn, scope, _k, labels):
+    """``where(mask, on_true, on_false)`` for a polynomial 0/1 mask: ``f + mask·(t − f)``."""
+    if len(eqn.invars) != 3:
+        raise NoMatch("select_n with more than two cases")
+    mask = ex.operand(eqn, scope, 0, labels)
+    on_false, on_true = ex.operand(eqn, scope, 1, labels), ex.operand(eqn, scope, 2, labels)
+    if not on_false.monomials:
+        return multiply(mask, on_true)
+    return add(on_false, multiply(mask, add(on_true, on_false, sign=-1.0)))
+
+
+# -- calls ------------------------------------------------------------------------------------
+
+def _enter(ex, eqn, scope, position, labels, body, consts, invars) -> Expansion:
+    inner = Scope(body, scope, {v: (a, scope) for v, a in zip(body.invars, invars)}, consts)
+    return ex.expand(body.outvars[position], inner, labels)
+
+
+@rule("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+      "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2")
+def _call(ex, eqn, scope, position, labels):
+    found = _body(eqn)
+    if found is None:
+        raise NoMatch(f"{eqn.primitive.name} without a readable body")
+    body, consts = found
+    if len(body.invars) != len(eqn.invars):
+        raise NoMatch(f"{eqn.primitive.name} whose body takes other inputs than the call")
+    return _enter(ex, eqn, scope, position, labels, body, consts, eqn.invars)
+
+
+@rule("cond")
+def _platform_cond(ex, eqn, scope, position, labels):
+    """A platform-dependent ``cond`` computes the same function in every branch: expand any that expands."""
+    if not eqn.params.get("branches_platforms"):
+        raise NoMatch("a data-dependent cond")
+    reasons = []
+    for branch in eqn.params["branches"]:
+        try:
+            return _enter(ex, eqn, scope, position, labels, branch.jaxpr, branch.consts, eqn.invars[1:])
+        except NoMatch as reason:
+            reasons.append(str(reason))
+    raise NoMatch("no branch of the platform cond expands: " + "; ".join(reasons))
+
+
+# --------------------------------------------------------------------------------------------
+# Emitting an expansion
+# --------------------------------------------------------------------------------------------
+
+def _unify(monomial: Monomial, output_labels: set) -> tuple[dict, frozenset]:
+    """Apply the deltas: ``(label -> representative, summed labels left)``; refuses δ between two outputs."""
+    parent: dict[int, int] = {}
+
+    def find(label):
+        while parent.get(label, label) != label:
+            label = parent[label]
+        return label
+
+    summed = set(monomial.summed)
+    for a, b in monomial.deltas:
+        ra, rb = find(a), find(b)
+        if ra == rb:
+            continue
+        if ra in output_labels and rb in output_labels:
+            raise NoMatch("a mask that keeps a diagonal matrix (δ between two output axes)")
+        keep, drop = (ra, rb) if (ra in output_labels or rb not in output_labels) else (rb, ra)
+        parent[drop] = keep
+        summed.discard(drop)
+    return {label: find(label) for label in parent}, frozenset(summed)
+
+
+def check_emittable(expansion: Expansion, output_labels: tuple) -> None:
+    """Raise :class:`NoMatch` when :func:`emit` could not write ``expansion`` as einsums."""
+    outputs = {lab for lab in output_labels if lab is not None}
+    for m in expansion.monomials:
+        mapping, summed = _unify(m, outputs)
+        for f in m.factors:
+            for lab in f.labels:
+                lab = mapping.get(lab, lab)
+                if lab is not None and lab not in outputs and lab not in summed:
+                    raise NoMatch("a factor indexed by a label that is neither kept nor summed")
+
+
+def emit(expansion: Expansion, values: list, output_labels: tuple, label_sizes: dict,
+         out_shape: tuple, dtype, clamp_at_zero: bool = False):
+    """Compute ``expansion`` from the source ``values`` with one einsum per monomial.
+
+    ``output_labels`` gives the label of each output axis (``None`` for size 1).
+    """
+    outputs = {lab for lab in output_labels if lab is not None}
+    terms = [_emit_monomial(m, values, output_labels, outputs, label_sizes, out_shape, dtype)
+             for m in expansion.monomials]
+    total = terms[0] if terms else jnp.zeros(out_shape, dtype)
+    for term in terms[1:]:
+        total = total + term
+    if clamp_at_zero:
+        total = jnp.maximum(total, jnp.zeros((), dtype))
+    return total
+
+
+def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out_shape, dtype):
+    mapping, summed = _unify(m, outputs)
+    operands, subscripts, scalar = [], [], jnp.asarray(m.coeff, dtype)
+    used: set[int] = set()
+    for f in m.factors:
+        value = values[f.source].astype(dtype)
+        keep = [i for i, lab in enumerate(f.labels) if lab is not None]
+        value = value.reshape([value.shape[i] for i in keep])
+        value = _raise(value, f.power)
+        labels = [mapping.get(f.labels[i], f.labels[i]) for i in keep]
+        if not labels:
+            scalar = scalar * value
+            continue
+        operands.append(value)
+        subscripts.append(labels)
+        used.update(labels)
+    for lab in summed - used:
+        scalar = scalar * label_sizes[lab]
+    kept = [lab for lab in output_labels if lab is not None and lab in used]
+    if operands:
+        names = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(sorted(used))}
+        spec = ",".join("".join(names[lab] for lab in s) for s in subscripts) + "->" + "".join(names[lab] for lab in kept)
+        path = contraction_path(spec, [o.shape for o in operands])
+        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize=path) * scalar
+    else:
+        result = scalar
+    positions = [i for i, lab in enumerate(output_labels) if lab is not None and lab in used]
+    return lax.broadcast_in_dim(jnp.asarray(result, dtype), out_shape, positions)
+
+
+def contraction_path(spec: str, shapes) -> list:
+    """A pairwise einsum order whose intermediates are no larger than its largest operand or result.
+
+    ``opt_einsum`` s dynamic programme minimises flops; with a memory limit it keeps away from
+    the outer products (n x m x d) that the rewrite exists to avoid.
+    """
+    out = spec.split("->")[1]
+    sizes = {c: int(n) for term, shape in zip(spec.split("->")[0].split(","), shapes) for c, n in zip(term, shape)}
+    limit = max([int(np.prod(s, dtype=np.int64)) for s in shapes] + [int(np.prod([sizes[c] for c in out], dtype=np.int64))])
+    path, _ = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="dp", memory_limit=limit)
+    if any(len(step) > 2 for step in path):
+        path, _ = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="dp")
+    return list(path)
+
+
+def _raise(value, power: int):
+    if power == 1:
+        return value
+    if power > 0:
+        return lax.integer_pow(value, power)
+    return 1 / lax.integer_pow(value, -power)

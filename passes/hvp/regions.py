@@ -1,0 +1,416 @@
+"""Jaxpr half of the HVP rewrite: inner-gradient regions get a forward-over-reverse VJP rule.
+
+Used as a linearize hook: when JAX differentiates a ``hlopass_call`` (for
+``jax.grad(hlopass.jit(meta_loss))``), the primal jaxpr is rewritten first.
+In a primal jaxpr an inner ``jax.grad`` / ``jax.value_and_grad`` appears as
+a run of equations whose name stack starts with ``jvp(...)`` (the inner
+forward pass, with the loss value and the residuals) followed by a run
+starting with ``transpose(jvp(...))`` (the inner backward pass). Each such
+region R: inputs -> gradients (and the loss value, when it is used) is
+replaced by one ``jax.custom_vjp`` call:
+
+- primal and forward rule: the region's own equations, evaluated as they
+  were; the residuals are the region's inputs (and its outputs);
+- backward rule, for cotangents ``ct`` of the gradients: ``jax.jvp`` of the
+  region itself with respect to the parameters, in direction ``ct``, which by
+  the symmetry of the Hessian is the parameters' cotangent ``H ct``; for the
+  other differentiable inputs u (meta-parameters, loss weights), ``jax.jvp``
+  of the gradient of the loss with respect to u (the loss rebuilt from the
+  forward run, see :func:`_loss_function`), in the same direction: the mixed
+  second derivatives ``d2L/du dtheta . ct``. The loss is trusted only if
+  ``jax.grad`` of it transposes the same operations as the region does (a
+  custom_jvp rule inside it, say, would not); otherwise those products come
+  from a local VJP of the region (correct, recomputed in the backward rule,
+  but not forward-over-reverse).
+
+A gradient output is matched to the parameter it differentiates by type:
+the region input with the same shape and dtype that the loss reads. When
+several inputs qualify, the one for which ``jax.grad`` of the rebuilt loss
+transposes the same operations as the region does is taken; when that does
+not single one out either, the region is left alone (it would be a guess).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+from jax.custom_derivatives import SymbolicZero
+
+from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
+from hlopass.jaxpr_utils import iter_eqns
+from hlopass.report import source_line
+
+from .fwdrev import forward_differentiable
+from .trace import RECORDS, Record, new_scope
+
+FORWARD, BACKWARD = "forward", "backward"
+#: Why regions were left alone in the most recent hook calls (for tests and debugging).
+SKIPPED: list[str] = []
+
+
+def _transforms(eqn) -> list[str]:
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return [item.name for item in stack if type(item).__name__ == "Transform"]
+
+
+def _role(eqn) -> str | None:
+    """FORWARD for ``jvp(...)`` equations, BACKWARD for ``transpose(jvp(...))`` ones, else None."""
+    names = _transforms(eqn)
+    if names[:1] == ["jvp"]:
+        return FORWARD
+    if names[:2] == ["transpose", "jvp"]:
+        return BACKWARD
+    return None
+
+
+@dataclasses.dataclass
+class GradRegion:
+    """An inner gradient: ``forward`` then ``backward`` equation indices of one jaxpr level."""
+
+    forward: list[int]
+    backward: list[int]
+
+    @property
+    def eqns(self) -> list[int]:
+        return self.forward + self.backward
+
+
+def _constant(eqn) -> bool:
+    """Reads no variables (zeros and iotas JAX emits between transformed equations)."""
+    return not any(isinstance(a, core.Var) for a in eqn.invars) and not eqn.effects
+
+
+def find_regions(jaxpr: core.Jaxpr) -> list[GradRegion]:
+    """Runs of forward equations immediately followed by runs of backward equations.
+
+    Constant equations (no inputs) between them are taken into the run.
+    """
+    roles = [_role(eqn) for eqn in jaxpr.eqns]
+    constant = [_constant(eqn) for eqn in jaxpr.eqns]
+    regions, i, n = [], 0, len(roles)
+
+    def run_end(start, role):
+        end = start
+        while end < n and (roles[end] == role or (constant[end] and roles[end] is None)):
+            end += 1
+        while end > start and roles[end - 1] != role:  # trailing constants belong to what follows
+            end -= 1
+        return end
+
+    while i < n:
+        if roles[i] != FORWARD:
+            i += 1
+            continue
+        j = run_end(i, FORWARD)
+        k = j
+        while k < n and roles[k] is None and constant[k]:
+            k += 1
+        k_end = run_end(k, BACKWARD) if k < n and roles[k] == BACKWARD else j
+        if k_end > j:
+            regions.append(GradRegion(list(range(i, j)), list(range(j, k_end))))
+            i = k_end
+        else:
+            i = j
+    return regions
+
+
+def _float_aval(aval) -> bool:
+    return hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _same_type(a, b) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+@dataclasses.dataclass
+class RegionPlan:
+    """What replacing one region needs: its inputs, outputs and the parameter each gradient belongs to."""
+
+    region: GradRegion
+    inputs: list[core.Var]
+    grads: list[core.Var]
+    params: list[int]  # for each gradient, the index of its parameter in ``inputs``
+    value: core.Var | None  # the loss value, when the program uses it
+    loss: core.Var | None  # the loss value var (used or not), if identified
+    extras: list[core.Var]  # other values of the inner forward pass used outside (aux outputs)
+    location: str
+
+
+def plan_region(jaxpr: core.Jaxpr, region: GradRegion) -> RegionPlan | str:
+    """A :class:`RegionPlan`, or the reason the region is left alone."""
+    eqns = [jaxpr.eqns[i] for i in region.eqns]
+    if any(eqn.effects for eqn in eqns):
+        return "the region has side effects"
+    if not forward_differentiable(eqns):
+        return "the region calls a custom_vjp function, which forward mode cannot differentiate"
+    inside = set(region.eqns)
+    defined = {v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)}
+    inputs: list[core.Var] = []
+    for eqn in eqns:
+        for atom in eqn.invars:
+            if isinstance(atom, core.Var) and atom not in defined and atom not in inputs:
+                inputs.append(atom)
+    read_outside = {a for i, eqn in enumerate(jaxpr.eqns) if i not in inside
+                    for a in eqn.invars if isinstance(a, core.Var)} | {
+                        v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    read_inside = {a for eqn in eqns for a in eqn.invars if isinstance(a, core.Var)}
+    forward_defined = [v for i in region.forward for v in jaxpr.eqns[i].outvars if not isinstance(v, core.DropVar)]
+    backward_defined = [v for i in region.backward for v in jaxpr.eqns[i].outvars if not isinstance(v, core.DropVar)]
+    grads = [v for v in backward_defined if v in read_outside]
+    if not grads:
+        return "the gradient is not used"
+    losses = [v for v in forward_defined if v not in read_inside and v.aval.shape == () and _float_aval(v.aval)]
+    loss = losses[0] if len(losses) == 1 else None
+    forward_out = [v for v in forward_defined if v in read_outside]
+    value = loss if loss is not None and loss in forward_out else None
+    extras = [v for v in forward_out if v is not value]
+    loss_inputs = _inputs_read_by(jaxpr, region.forward, loss, inputs) if loss is not None else inputs
+    params = []
+    for g in grads:
+        matches = [k for k, v in enumerate(inputs)
+                   if _float_aval(v.aval) and _same_type(v.aval, g.aval) and v in loss_inputs]
+        if len(matches) > 1 and loss is not None and len(grads) == 1:
+            matches = _matching_derivations(jaxpr, region, inputs, loss, matches)
+        if len(matches) != 1:
+            return (f"cannot tell which input the gradient {g.aval.str_short()} belongs to "
+                    f"({len(matches)} candidates of that type)")
+        params.append(matches[0])
+    if len(set(params)) != len(params):
+        return "two gradients match the same input"
+    if loss is not None and not _derives_region(jaxpr, region, inputs, loss, params):
+        # not provably the loss (or it holds custom_jvp rules): no mixed products from it
+        loss = None
+        value = None
+        extras = forward_out
+    anchor = jaxpr.eqns[region.forward[0]]
+    return RegionPlan(region, inputs, grads, params, value, loss, extras, source_line(anchor))
+
+
+def _backward_signature(eqns) -> list[str]:
+    """The primitives of the backward (transposed) equations, constants left out."""
+    return [eqn.primitive.name for eqn in eqns if _role(eqn) == BACKWARD and not _constant(eqn)]
+
+
+def _derives_region(jaxpr, region: GradRegion, inputs, loss, params: list[int]) -> bool:
+    """Whether ``jax.grad`` of the rebuilt loss w.r.t. ``params`` transposes what the region does."""
+    target = _backward_signature([jaxpr.eqns[i] for i in region.backward])
+    evaluate = _as_function([jaxpr.eqns[i] for i in region.forward], inputs, [loss])
+
+    def grads(*args):
+        return jax.grad(lambda *ps: evaluate(*_replace(args, params, ps))[0],
+                        argnums=tuple(range(len(params))))(*(args[p] for p in params))
+    try:
+        derived = jax.make_jaxpr(grads)(*[v.aval for v in inputs])
+    except Exception:  # noqa: BLE001 - what cannot be re-derived is not trusted
+        return False
+    return _backward_signature(derived.jaxpr.eqns) == target
+
+
+def _matching_derivations(jaxpr, region: GradRegion, inputs, loss, candidates: list[int]) -> list[int]:
+    """The candidates k for which ``jax.grad`` of the rebuilt loss w.r.t. input k transposes the same
+    primitives, in the same order, as the region's backward run.
+
+    Differentiating with respect to another input of the same type transposes
+    a different set of the loss's operations, so at most the true parameter
+    matches unless the loss treats the candidates symmetrically (then all
+    match and the region is left alone).
+    """
+    target = _backward_signature([jaxpr.eqns[i] for i in region.backward])
+    evaluate = _as_function([jaxpr.eqns[i] for i in region.forward], inputs, [loss])
+    avals = [v.aval for v in inputs]
+    found = []
+    for k in candidates:
+        def grad_k(*args, k=k):
+            return jax.grad(lambda x: evaluate(*_replace(args, [k], [x]))[0])(args[k])
+        try:
+            derived = jax.make_jaxpr(grad_k)(*avals)
+        except Exception:  # noqa: BLE001 - a candidate that cannot be derived does not match
+            continue
+        if _backward_signature(derived.jaxpr.eqns) == target:
+            found.append(k)
+    return found
+
+
+def _inputs_read_by(jaxpr, forward: list[int], loss, inputs) -> set:
+    """The region inputs that the loss value depends on."""
+    sub = _jaxpr([jaxpr.eqns[i] for i in forward], inputs, [loss])
+    _, used = pe.dce_jaxpr(sub, [True])
+    return {v for v, u in zip(inputs, used) if u}
+
+
+def _jaxpr(eqns, inputs, outputs) -> core.Jaxpr:
+    debug = core.DebugInfo("hvp region", "<hvp region>", None, None)
+    return core.Jaxpr([], list(inputs), list(outputs), list(eqns), debug_info=debug)
+
+
+def _as_function(eqns: Sequence[core.JaxprEqn], inputs: Sequence[core.Var], outputs: Sequence[core.Var]) -> Callable:
+    """Evaluate ``eqns`` (only those the outputs need) as a function of ``inputs``."""
+    sub = _jaxpr(eqns, inputs, outputs)
+    sub, _ = pe.dce_jaxpr(sub, [True] * len(outputs), instantiate=True)
+    return lambda *args: core.eval_jaxpr(sub, [], *args)
+
+
+def _loss_function(jaxpr, plan: RegionPlan) -> Callable | None:
+    """The inner loss as a function of the region's inputs, rebuilt from the forward run."""
+    if plan.loss is None:
+        return None
+    evaluate = _as_function([jaxpr.eqns[i] for i in plan.region.forward], plan.inputs, [plan.loss])
+    return lambda *args: evaluate(*args)[0]
+
+
+def _zero(ct) -> bool:
+    return isinstance(ct, SymbolicZero) or ct is None
+
+
+def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, extras_fn: Callable | None, params: list[int],
+                  num_inputs: int, has_value: bool) -> Callable:
+    """A custom_vjp function ``(*inputs) -> (*grads[, value], *extras)`` with a forward-over-reverse VJP.
+
+    ``extras`` (other values of the inner forward pass the program uses, such
+    as ``has_aux`` outputs) get an ordinary, local VJP through ``extras_fn``.
+    """
+    num_grads = len(params)
+    first_extra = num_grads + int(has_value)
+
+    @jax.custom_vjp
+    def call(*inputs):
+        return tuple(region_fn(*inputs))
+
+    def fwd(*primals):
+        values = [p.value for p in primals]
+        perturbed = [p.perturbed and _float_aval(core.typeof(v)) for p, v in zip(primals, values)]
+        outs = tuple(region_fn(*values))
+        return outs, (values, perturbed, outs)
+
+    def bwd(residuals, cts):
+        values, perturbed, outs = residuals
+        ct_grads = list(cts[:num_grads])
+        ct_value = cts[num_grads] if has_value else None
+        total: list[Any] = [None] * num_inputs
+        others = [i for i in range(num_inputs) if perturbed[i] and i not in params]
+        directions = [(k, p) for k, p in enumerate(params) if not _zero(ct_grads[k])]
+        if directions:
+            _add(total, _hessian_products(region_fn, loss_fn, values, params, others, directions, ct_grads,
+                                          num_grads))
+        if has_value and not _zero(ct_value):
+            for k, p in enumerate(params):
+                _add(total, {p: ct_value * outs[k]})
+            if others:
+                _add(total, _value_cotangents(loss_fn, values, others, ct_value))
+        ct_extras = cts[first_extra:]
+        if extras_fn is not None and not all(_zero(ct) for ct in ct_extras):
+            _add(total, _extras_cotangents(extras_fn, values, perturbed, ct_extras, outs[first_extra:]))
+        return tuple(None if (t is None or not perturbed[i]) else t for i, t in enumerate(total))
+
+    call.defvjp(fwd, bwd, symbolic_zeros=True)
+    return call
+
+
+def _add(total: list, contributions: dict) -> None:
+    for i, ct in contributions.items():
+        total[i] = ct if total[i] is None else total[i] + ct
+
+
+def _replace(values, positions, new):
+    full = list(values)
+    for p, v in zip(positions, new):
+        full[p] = v
+    return full
+
+
+def _hessian_products(region_fn, loss_fn, values, params, others, directions, ct_grads, num_grads) -> dict:
+    """``H ct`` for the parameters (jvp of the region) and the mixed products for ``others``."""
+    moved = [p for _, p in directions]
+    tangents = tuple(ct_grads[k] for k, _ in directions)
+    primals = tuple(values[p] for p in moved)
+    result: dict[int, Any] = {}
+
+    def grads_at(*new):
+        return tuple(region_fn(*_replace(values, moved, new))[:num_grads])
+
+    _, hvp = jax.jvp(grads_at, primals, tangents)
+    for k, p in enumerate(params):
+        result[p] = hvp[k]
+    if not others:
+        return result
+    if loss_fn is not None:
+        def other_grads_at(*new):
+            at = _replace(values, moved, new)
+            return jax.grad(lambda *o: loss_fn(*_replace(at, others, o)),
+                            argnums=tuple(range(len(others))))(*(at[i] for i in others))
+        _, mixed = jax.jvp(other_grads_at, primals, tangents)
+    else:
+        full_cts = tuple(ct if not _zero(ct) else jnp.zeros_like(values[params[k]])
+                         for k, ct in enumerate(ct_grads))
+        _, pullback = jax.vjp(lambda *o: tuple(region_fn(*_replace(values, others, o))[:num_grads]),
+                              *(values[i] for i in others))
+        mixed = pullback(full_cts)
+    for i, ct in zip(others, mixed):
+        result[i] = ct
+    return result
+
+
+def _value_cotangents(loss_fn, values, others, ct_value) -> dict:
+    """``ct_value * dL/du`` for the other inputs."""
+    grads = jax.grad(lambda *o: loss_fn(*_replace(values, others, o)),
+                     argnums=tuple(range(len(others))))(*(values[i] for i in others))
+    return {i: ct_value * g for i, g in zip(others, grads)}
+
+
+def _extras_cotangents(extras_fn, values, perturbed, ct_extras, extras) -> dict:
+    """The ordinary VJP of the extra forward outputs (recomputed locally)."""
+    wanted = [i for i, p in enumerate(perturbed) if p]
+    if not wanted:
+        return {}
+    cts = tuple(jnp.zeros_like(x) if _zero(ct) else ct for ct, x in zip(ct_extras, extras))
+    _, pullback = jax.vjp(lambda *o: tuple(extras_fn(*_replace(values, wanted, o))),
+                          *(values[i] for i in wanted))
+    return dict(zip(wanted, pullback(cts)))
+
+
+def _replacement(jaxpr: core.Jaxpr, plan: RegionPlan) -> Replacement:
+    outputs = [*plan.grads, *([plan.value] if plan.value is not None else []), *plan.extras]
+    region_eqns = [jaxpr.eqns[i] for i in plan.region.eqns]
+    region_fn = _as_function(region_eqns, plan.inputs, outputs)
+    loss_fn = _loss_function(jaxpr, plan)
+    extras_fn = _as_function([jaxpr.eqns[i] for i in plan.region.forward], plan.inputs, plan.extras) \
+        if plan.extras else None
+    call = fwdrev_region(region_fn, loss_fn, extras_fn, plan.params, len(plan.inputs), plan.value is not None)
+    scope = new_scope()
+    RECORDS[scope] = Record(scope, "grad region", plan.location, plan.location)
+
+    def build(*inputs):
+        with jax.named_scope(scope):
+            return list(call(*inputs))
+
+    return Replacement(plan.region.eqns, plan.inputs, outputs, build, anchor=plan.region.forward[0])
+
+
+def rewrite_level(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """Replace every inner-gradient region of one jaxpr level (the same object if there is none)."""
+    if not any(_role(eqn) == BACKWARD for eqn in iter_eqns(closed)):
+        return closed
+    flat = inline_calls(closed)
+    replacements = []
+    for region in find_regions(flat.jaxpr):
+        plan = plan_region(flat.jaxpr, region)
+        if isinstance(plan, str):
+            SKIPPED.append(f"{source_line(flat.jaxpr.eqns[region.forward[0]])}: {plan}")
+            continue
+        replacements.append(_replacement(flat.jaxpr, plan))
+    if not replacements:
+        return closed
+    return rewrite(flat, replacements, name="hvp")
+
+
+def linearize_hook(jaxpr: core.ClosedJaxpr, config) -> core.ClosedJaxpr:
+    """Before JAX linearises a ``hlopass_call``: give its inner gradients forward-over-reverse VJPs."""
+    del SKIPPED[:-32]
+    if not any(_role(eqn) == BACKWARD for eqn in iter_eqns(jaxpr)):
+        return jaxpr
+    return rewrite_nested(jaxpr, rewrite_level)

@@ -1,0 +1,149 @@
+"""Matrix-chain reordering: evaluate chains of contractions in their cheapest order.
+
+Matches: maximal trees of ``dot_general``, ``transpose``, ``reduce_sum``,
+widening ``convert_element_type``, ``mul`` by a scalar and reshapes that
+only add or drop axes of size 1, whose intermediates are used only inside the tree
+(matrix-matrix, matrix-vector and batched products; a sum over an axis
+counts as a product with a ones vector). An intermediate that is returned
+or read by anything else is a boundary; one read by several chains only
+is recomputed inside each of them when that costs fewer multiply-adds in
+total, and is a boundary otherwise.
+
+Emits: the same contraction as ``lax.dot_general`` s in the order with the
+fewest multiply-adds (opt_einsum's dynamic programming), with every
+intermediate within the size threshold when one is set and some order
+allows it. Chains already in such an order are left as they are. Floating
+types only; a chain whose products ask for different precisions is
+reported as skipped.
+
+Leaves alone: chains already in their cheapest order, non-float chains, and
+intermediates read outside the chain (boundaries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+from jax._src import core
+
+from hlopass.config import Config
+from hlopass.graph import DataflowGraph
+from hlopass.interpreter import Replacement, rewrite
+from hlopass.jaxpr_utils import dce
+from hlopass.pass_base import Pass
+from hlopass.report import PassReport
+from hlopass.sizes import format_size
+
+from .network import (MAX_OPERANDS, Network, Path, contract, describe_path, extract_networks, fitting_path,
+                      optimal_path, path_cost, shared_worth_inlining)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The order chosen for one chain and what it costs, next to the order as written."""
+
+    path: Path
+    flops_before: int
+    flops_after: int
+    peak_before: int
+    peak_after: int
+
+
+class MatrixChainPass(Pass):
+    """Reorders chains of ``dot_general`` s into their cheapest order (see the module docstring)."""
+
+    name = "matrix_chain"
+    provides = frozenset({"reorder_products"})
+
+    def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
+        live = dce(closed)  # dead readers would otherwise make products look shared
+        if len(live.jaxpr.eqns) == len(closed.jaxpr.eqns):
+            live = closed
+        graph = DataflowGraph(live)
+        replacements = []
+        for network in extract_networks(graph, shared_worth_inlining(graph)):
+            root = graph.eqn(network.root)
+            if network.unsupported:
+                report.skip(root, "dot_general", f"chain {network.original_expression}: {network.unsupported}")
+                continue
+            if len(network.operands) > MAX_OPERANDS:
+                report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
+                                                 f"the pass handles ({MAX_OPERANDS})")
+                continue
+            # A chain that recomputes a shared product must be rewritten: the
+            # product's other readers no longer have it otherwise.
+            plan = plan_order(network, config.threshold, force=bool(network.shared_eqns))
+            if plan is None:
+                continue
+            replacements.append(Replacement(
+                eqns=network.eqns, inputs=network.atoms, outputs=[root.outvars[0]],
+                build=functools.partial(_emit, network, plan.path), anchor=network.root))
+            _report(report, root, network, plan)
+        if not replacements:
+            return closed
+        return rewrite(live, replacements, name="matrix_chain")
+
+
+def plan_order(network: Network, threshold_bytes: int | None, force: bool = False) -> Plan | None:
+    """The order to emit for ``network``, or ``None`` when the order as written is as good
+    (never ``None`` with ``force``).
+
+    With a threshold, the cheapest order whose intermediates all fit under it
+    wins; if the order as written does not fit and another does, that one is
+    taken even at a higher multiply-add count. If none fits, the cheapest
+    order overall is used.
+    """
+    itemsize = np.dtype(network.dtype).itemsize
+    limit = None if threshold_bytes is None else max(threshold_bytes // itemsize, 1)
+    path = None
+    if limit is not None:
+        try:
+            path = optimal_path(network, limit)
+        except RuntimeError:
+            path = None
+    if path is None:
+        path = optimal_path(network)
+    cost = path_cost(network, path)
+    if limit is not None and cost.peak_elements > limit:
+        # opt_einsum's limit also bounds the result; search for an order whose intermediates fit.
+        fitting = fitting_path(network, limit)
+        if fitting is not None:
+            path, cost = fitting, path_cost(network, fitting)
+    peak_after = cost.peak_elements * itemsize
+    fits_now = limit is None or network.original_peak_bytes <= threshold_bytes
+    fits_after = limit is None or peak_after <= threshold_bytes
+    cheaper = cost.multiply_adds < network.original_multiply_adds
+    if not (force or _better(cheaper, fits_now, fits_after)):
+        return None
+    return Plan(path, 2 * network.original_multiply_adds, 2 * cost.multiply_adds,
+                network.original_peak_bytes, peak_after)
+
+
+def _better(cheaper: bool, fits_now: bool, fits_after: bool) -> bool:
+    if fits_after and not fits_now:
+        return True  # the order as written breaks the threshold, the new one does not
+    return cheaper and (fits_after or not fits_now)  # fewer multiply-adds, no new breach
+
+
+def _emit(network: Network, path: Path, *values):
+    return [contract(network, path, values)]
+
+
+def _report(report: PassReport, root, network: Network, plan: Plan) -> None:
+    n_factors = sum(not op.is_ones for op in network.operands)
+    shared = ""
+    if network.shared_eqns:
+        shared = (f" (recomputes {len(network.shared_eqns)} shared equation(s) instead of storing their result;"
+                  " FLOPs before count them once, in the first chain that reads them)")
+    report.rewrite(
+        "reorder", root,
+        f"chain of {n_factors} factors {network.original_expression} -> {describe_path(network, plan.path)}: "
+        f"{plan.flops_before:.3g} -> {plan.flops_after:.3g} FLOPs, peak intermediate "
+        f"{format_size(plan.peak_before)} -> {format_size(plan.peak_after)}{shared}",
+        shared_equations=len(network.shared_eqns),
+        flops_before=plan.flops_before, flops_after=plan.flops_after,
+        peak_intermediate_before=plan.peak_before, peak_intermediate_after=plan.peak_after,
+        einsum=network.subscripts, order=describe_path(network, plan.path),
+        written=network.original_expression, path=[list(step) for step in plan.path])

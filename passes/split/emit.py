@@ -1,0 +1,286 @@
+"""Emitting a split region as a loop over slices (traced with ordinary ``jax.lax`` code).
+
+:class:`LoopPlan` turns a :class:`~.region.SplitRegion` into the
+``build`` function of an interpreter :class:`~hlopass.interpreter.Replacement`:
+a ``fori_loop`` over ``size // chunk`` slices of the split axis, plus one
+remainder step of ``size % chunk`` when the chunk does not divide the axis
+(never padding, so nothing fake can win a max, a min or a top-k). Each step
+slices the region's inputs with ``dynamic_slice``, re-binds the region's
+equations on the slices, and
+
+* writes a result that keeps the axis into its buffer (``dynamic_update_slice``);
+* combines a result that reduces the axis with its monoid: ``add``/``mul``/
+  ``max``/``min``/``and``/``or``/``xor`` elementwise, ``argmax``/``argmin``
+  as (value, index) pairs keeping the first index on ties (NaN wins, as in
+  ``jnp.argmax``), ``top_k`` as a running top-k merged with the slice's
+  top-k (the first slice initialises it, so no sentinel can win).
+
+``chunk_program`` is the work of one step as a standalone function; when one
+step is still too large, the pass splits that program again along a second
+axis (nested loops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+
+from hlopass.interpreter import bind_equation
+from hlopass.families import ELEMENTWISE_MONOIDS
+from hlopass.jaxpr_utils import trace_flat
+
+from .region import SplitRegion
+from .rules import chunk_params, combine, identity
+
+
+@dataclasses.dataclass
+class LoopPlan:
+    """How to loop over one region: inputs, outputs, chunk size."""
+
+    jaxpr: core.Jaxpr
+    region: SplitRegion
+    inputs: list[tuple[core.Var, int | None]]   # (value, split dimension) read by the region
+    outputs: list[core.Var]                      # region values read after the loop
+    chunk: int
+    #: optional rewrite of one step's program (nested splitting); gets the traced ClosedJaxpr
+    refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
+
+    @functools.cached_property
+    def carried(self) -> list:
+        """Values carried by the loop: the outputs, then a ``top_k``'s other result when only one is
+        used (the merge needs values and indices)."""
+        hidden = []
+        for i, monoid in self.region.reducing.items():
+            if monoid == "top_k":
+                hidden += [v for v in self.jaxpr.eqns[i].outvars if v not in self.outputs and v not in hidden]
+        return list(self.outputs) + hidden
+
+    @property
+    def input_vars(self) -> list[core.Var]:
+        return list(dict.fromkeys(var for var, _ in self.inputs))
+
+    @property
+    def iterations(self) -> int:
+        return -(-self.region.size // self.chunk)
+
+    def output_axis(self, var) -> int | None:
+        return self.region.var_axis[var]
+
+    def monoid_of(self, var) -> str:
+        return self.region.reducing[self._producer(var)]
+
+    def _producer(self, var) -> int:
+        for i in self.region.eqns:
+            if var in self.jaxpr.eqns[i].outvars:
+                return i
+        raise KeyError(var)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step_values(self, start, size: int, values: dict) -> list:
+        """Partial results of one slice ``[start, start + size)``: one per output, plus an
+        argmax/argmin's value for each such output (appended in output order)."""
+        sliced = {}
+
+        def operand(i, pos, atom):
+            if not isinstance(atom, core.Var):
+                return atom.val
+            if atom in env:
+                return env[atom]
+            axis = self.region.operand_axis[(i, pos)]
+            key = (atom, axis)
+            if key not in sliced:
+                value = values[atom]
+                sliced[key] = value if axis is None else lax.dynamic_slice_in_dim(value, start, size, axis)
+            return sliced[key]
+
+        env: dict = {}
+        extras: dict = {}
+        for i in self.region.ordered():
+            eqn = self.jaxpr.eqns[i]
+            invals = [operand(i, pos, atom) for pos, atom in enumerate(eqn.invars)]
+            outs, extra = self._bind(i, eqn, invals, start, size)
+            env.update(zip(eqn.outvars, outs))
+            if extra is not None:
+                extras[eqn.outvars[0]] = extra
+        results = [env[v] for v in self.carried]
+        results += [extras[v] for v in self.carried if v in extras]
+        return results
+
+    def _bind(self, i: int, eqn, invals, start, size: int):
+        """Results of equation ``i`` on a slice (global indices), and an arg-reduction's value."""
+        shapes = []
+        for var in eqn.outvars:
+            shape = list(var.aval.shape)
+            axis = self.region.var_axis.get(var)
+            if axis is not None:
+                shape[axis] = size
+            shapes.append(tuple(shape))
+        monoid = self.region.reducing.get(i)
+        if monoid == "top_k" and size < eqn.params["k"]:
+            outs = _whole_slice_as_top_k(eqn, invals[0])
+        else:
+            outs = bind_equation(eqn, invals, chunk_params(eqn, shapes))
+        if eqn.primitive.name == "iota" and self.region.var_axis[eqn.outvars[0]] == eqn.params["dimension"]:
+            outs = [outs[0] + lax.convert_element_type(start, outs[0].dtype)]
+        extra = None
+        if monoid in ("argmax", "argmin"):
+            axis = eqn.params["axes"][0]
+            local = jnp.expand_dims(outs[0], axis)
+            extra = jnp.squeeze(jnp.take_along_axis(invals[0], local, axis), axis)
+        if monoid in ("argmax", "argmin", "top_k"):
+            index_pos = 0 if monoid != "top_k" else 1
+            outs[index_pos] = outs[index_pos] + lax.convert_element_type(start, outs[index_pos].dtype)
+        return outs, extra
+
+    def step_function(self, size: int) -> Callable:
+        """``f(start, *input values) -> step results`` for slices of ``size``, nested-split if asked."""
+        names = self.input_vars
+
+        def step(start, *vals):
+            return self.step_values(start, size, dict(zip(names, vals)))
+
+        if self.refine_step is None:
+            return step
+        avals = [core.ShapedArray((), jnp.int32)] + [v.aval for v in names]
+        closed = trace_flat(step, avals, "split_step")
+        refined = self.refine_step(closed)
+        return core.jaxpr_as_fun(refined)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def build(self, *input_values) -> list:
+        """Values of ``self.outputs`` computed by the loop (the Replacement's builder)."""
+        size, chunk = self.region.size, self.chunk
+        full, remainder = divmod(size, chunk)
+        step = self.step_function(chunk)
+        arg_outputs = [v for v in self.carried if self._is_arg_reduced(v)]
+        has_top_k = any(self._monoid_or_none(v) == "top_k" for v in self.carried)
+
+        def accumulate(state, start, partial):
+            new_state = list(state)
+            n = len(self.carried)
+            extras = dict(zip(arg_outputs, partial[n:]))
+            top_k_done = set()
+            for k, var in enumerate(self.carried):
+                axis = self.output_axis(var)
+                if axis is not None:
+                    new_state[k] = lax.dynamic_update_slice_in_dim(state[k], partial[k].astype(state[k].dtype),
+                                                                   start, axis)
+                    continue
+                monoid = self.monoid_of(var)
+                if monoid in ELEMENTWISE_MONOIDS:
+                    new_state[k] = combine(monoid, state[k], partial[k].astype(state[k].dtype))
+                elif monoid in ("argmax", "argmin"):
+                    j = n + arg_outputs.index(var)
+                    new_state[k], new_state[j] = _arg_merge(monoid, (state[j], state[k]), (extras[var], partial[k]))
+                elif monoid == "top_k" and self._producer(var) not in top_k_done:
+                    i = self._producer(var)
+                    top_k_done.add(i)
+                    self._top_k_merge(i, state, new_state, partial)
+            return new_state
+
+        if has_top_k:
+            first = step(jnp.int32(0), *input_values)
+            state = self._initial_state(first)
+            loop_from = 1
+        else:
+            state = self._initial_state(None)
+            loop_from = 0
+
+        def body(it, state):
+            start = (it * chunk).astype(jnp.int32)
+            return accumulate(state, start, step(start, *input_values))
+
+        if full > loop_from:
+            state = lax.fori_loop(loop_from, full, body, state)
+        if remainder:
+            start = jnp.int32(full * chunk)
+            tail = self.step_function(remainder)(start, *input_values)
+            state = accumulate(state, start, tail)
+        return [value.astype(var.aval.dtype) for value, var in zip(state, self.outputs)]
+
+    def _monoid_or_none(self, var):
+        return None if self.output_axis(var) is not None else self.monoid_of(var)
+
+    def _is_arg_reduced(self, var) -> bool:
+        return self._monoid_or_none(var) in ("argmax", "argmin")
+
+    def _initial_state(self, first) -> list:
+        """Buffers for axis outputs, identities for accumulators; the first step's values if given."""
+        state = []
+        for k, var in enumerate(self.carried):
+            aval = var.aval
+            if first is not None and self._monoid_or_none(var) is not None:
+                monoid = self._monoid_or_none(var)
+                state.append(first[k].astype(_accumulator_dtype(monoid, aval.dtype)) if monoid in ELEMENTWISE_MONOIDS
+                             else first[k])
+                continue
+            if self.output_axis(var) is not None:
+                buf = jnp.zeros(aval.shape, aval.dtype)
+                if first is not None:
+                    buf = lax.dynamic_update_slice_in_dim(buf, first[k].astype(aval.dtype), 0, self.output_axis(var))
+                state.append(buf)
+            elif self._monoid_or_none(var) in ("argmax", "argmin"):
+                state.append(jnp.zeros(aval.shape, aval.dtype))
+            else:
+                monoid = self.monoid_of(var)
+                dtype = _accumulator_dtype(monoid, aval.dtype)
+                state.append(jnp.full(aval.shape, identity(monoid, dtype), dtype))
+        n = len(self.carried)
+        for m, var in enumerate(v for v in self.carried if self._is_arg_reduced(v)):
+            if first is not None:
+                state.append(first[n + m])
+                continue
+            eqn = self.jaxpr.eqns[self._producer(var)]
+            dtype = eqn.invars[0].aval.dtype
+            worst = "max" if self.monoid_of(var) == "argmin" else "min"
+            state.append(jnp.full(var.aval.shape, _extreme(worst, dtype), dtype))
+        return state
+
+    def _top_k_merge(self, i: int, state, new_state, partial) -> None:
+        eqn = self.jaxpr.eqns[i]
+        slots = [self.carried.index(v) if v in self.carried else None for v in eqn.outvars]
+        axis = eqn.params.get("axis", len(eqn.outvars[0].aval.shape) - 1)
+        values = jnp.concatenate([state[slots[0]], partial[slots[0]]], axis=axis)
+        indices = jnp.concatenate([state[slots[1]], partial[slots[1]]], axis=axis)
+        best, where = bind_equation(eqn, [values])
+        new_state[slots[0]] = best
+        new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
+
+
+def _accumulator_dtype(monoid: str, dtype):
+    """Sums and products of 16-bit floats accumulate across slices in float32 (as XLA does within one)."""
+    if monoid in ("add", "mul") and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return jnp.float32
+    return dtype
+
+
+def _whole_slice_as_top_k(eqn, operand) -> list:
+    """A slice no longer than ``k``: every element is a candidate, in index order."""
+    axis = eqn.params.get("axis", operand.ndim - 1)
+    index_dtype = eqn.outvars[1].aval.dtype
+    indices = lax.broadcasted_iota(index_dtype, operand.shape, axis)
+    return [operand, indices]
+
+
+def _extreme(which: str, dtype):
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.inf if which == "max" else -jnp.inf
+    info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else None
+    if info is None:
+        return which == "max"
+    return info.max if which == "max" else info.min
+
+
+def _arg_merge(monoid: str, best, new):
+    """Merge (value, index) pairs; earlier slices win ties, a NaN beats any number."""
+    best_value, best_index = best
+    value, index = new
+    better = value > best_value if monoid == "argmax" else value < best_value
+    if jnp.issubdtype(value.dtype, jnp.inexact):
+        better = better | (jnp.isnan(value) & ~jnp.isnan(best_value))
+    return jnp.where(better, index, best_index), jnp.where(better, value, best_value)

@@ -1,0 +1,320 @@
+"""Finding split regions: the equations between small inputs and size-reducing operations.
+
+A *region* is a set of equations of one jaxpr level that can be recomputed on
+slices of one iteration dimension (a *split axis*). It is grown from a seed,
+a reducing equation (``dot_general``, ``reduce_*``, ``argmax``/``argmin``,
+``top_k``...) whose operand is larger than the threshold:
+
+* backwards, through the producers of every operand larger than the split
+  size, following the split axis with the per-primitive rules of
+  :mod:`.rules`; a small operand (or a parameter) becomes a
+  region *input*, sliced along its axis or passed whole when it does not
+  carry it;
+* forwards, through every consumer of a large region value (a large value
+  that escapes the loop would be materialised anyway), which merges several
+  reducers reading one large intermediate into one region;
+* and through the equations on any path that leaves the region and comes
+  back (the region must be convex).
+
+Every region value carries the split axis, except the results of equations
+that reduce it (the loop combines their partial results with a monoid);
+those may only leave the region. An equation without a rule, or one that
+cannot be sliced along the axis, makes the attempt :class:`Infeasible` and
+names the equation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jax._src import core
+
+from hlopass.graph import DataflowGraph
+from hlopass.jaxpr_utils import aval_nbytes
+from hlopass.families import ELEMENTWISE
+
+from .rules import DimMap, dim_map
+
+#: Primitives a region may start from.
+SEED_PRIMITIVES = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                             "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "top_k",
+                             "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+
+
+#: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
+FUSIBLE_PRODUCERS = ELEMENTWISE | {"broadcast_in_dim", "iota", "transpose", "reshape", "squeeze"}
+FUSING_CONSUMERS = ELEMENTWISE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                                  "reduce_or", "broadcast_in_dim", "argmax", "argmin"}
+
+
+class Infeasible(Exception):
+    """A region cannot be split along an axis; ``eqn_index`` is the equation that prevents it."""
+
+    def __init__(self, eqn_index: int, reason: str):
+        super().__init__(reason)
+        self.eqn_index = eqn_index
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class SplitRegion:
+    """Equations to recompute per slice, and how the split axis runs through them."""
+
+    seed: int
+    eqns: set[int]
+    size: int                                        # length of the split axis
+    label: dict[int, object]                         # equation -> its label of the split axis
+    var_axis: dict[core.Var, int | None]             # region value -> its split dimension (None: reduced)
+    operand_axis: dict[tuple[int, int], int | None]  # (equation, operand position) -> dimension
+    reducing: dict[int, str]                         # equation -> monoid, where the axis is reduced
+
+    def ordered(self) -> list[int]:
+        return sorted(self.eqns)
+
+    def inputs(self, jaxpr: core.Jaxpr) -> list[tuple[core.Var, int | None]]:
+        """Distinct ``(value, axis)`` pairs read from outside the region, in first-use order."""
+        seen: dict[tuple, None] = {}
+        for i in self.ordered():
+            for pos, atom in enumerate(jaxpr.eqns[i].invars):
+                if isinstance(atom, core.Var) and atom not in self.var_axis:
+                    seen.setdefault((atom, self.operand_axis[(i, pos)]), None)
+        return list(seen)
+
+    def outputs(self, jaxpr: core.Jaxpr, graph: DataflowGraph) -> list[core.Var]:
+        """SplitRegion values read after the region (by other equations or as program outputs)."""
+        outs = []
+        for i in self.ordered():
+            for var in jaxpr.eqns[i].outvars:
+                if isinstance(var, core.DropVar):
+                    continue
+                if graph.is_output(var) or any(j not in self.eqns for j in graph.uses(var)):
+                    outs.append(var)
+        return outs
+
+    def per_unit_bytes(self, jaxpr: core.Jaxpr) -> int:
+        """Bytes per unit of the split axis of the largest sliced value of one iteration."""
+        best = 0
+        for var, axis in self.var_axis.items():
+            if axis is not None:
+                best = max(best, -(-aval_nbytes(var.aval) // self.size))
+        for var, axis in self.inputs(jaxpr):
+            if axis is not None:
+                best = max(best, -(-aval_nbytes(var.aval) // self.size))
+        return best
+
+    def peak_per_unit_bytes(self, jaxpr: core.Jaxpr, graph: DataflowGraph) -> int:
+        """Bytes per unit of the split axis live at once in one iteration, in program order.
+
+        A value that XLA fuses into its only consumer (an elementwise result read by one
+        elementwise op, reduction or broadcast) is not counted; sliced inputs are live throughout.
+        """
+        unit = lambda var: -(-aval_nbytes(var.aval) // self.size)  # noqa: E731
+        inputs = sum(unit(var) for var, axis in self.inputs(jaxpr) if axis is not None)
+        last_use: dict[core.Var, int] = {}
+        for i in self.ordered():
+            for var in jaxpr.eqns[i].outvars:
+                if self.var_axis.get(var) is None or self._fused(jaxpr, graph, i, var):
+                    continue
+                uses = [j for j in graph.uses(var) if j in self.eqns]
+                last_use[var] = len(jaxpr.eqns) if graph.is_output(var) or len(uses) < len(graph.uses(var)) \
+                    else max(uses, default=i)
+        live, peak = {}, 0
+        for i in self.ordered():
+            for var in jaxpr.eqns[i].outvars:
+                if var in last_use:
+                    live[var] = unit(var)
+            peak = max(peak, sum(live.values()))
+            for var in [v for v, last in last_use.items() if last == i]:
+                live.pop(var, None)
+        return inputs + peak
+
+    def _fused(self, jaxpr, graph, i: int, var) -> bool:
+        if jaxpr.eqns[i].primitive.name not in FUSIBLE_PRODUCERS or graph.is_output(var):
+            return False
+        uses = graph.uses(var)
+        return len(uses) == 1 and uses[0] in self.eqns and jaxpr.eqns[uses[0]].primitive.name in FUSING_CONSUMERS
+
+    def largest_bytes(self) -> int:
+        """The largest value the region computes (the tensor the split avoids)."""
+        return max((aval_nbytes(v.aval) for v in self.var_axis), default=0)
+
+    def min_chunk(self, jaxpr: core.Jaxpr) -> int:
+        """Smallest chunk the reductions allow (``top_k`` needs at least ``k`` per slice)."""
+        need = 1
+        for i, monoid in self.reducing.items():
+            if monoid == "top_k":
+                need = max(need, jaxpr.eqns[i].params["k"])
+        return need
+
+
+def seeds(jaxpr: core.Jaxpr, threshold: int) -> list[int]:
+    """Reducing equations with an operand above ``threshold`` bytes and results at most that
+    (or at most half the operand: with a tiny threshold, ``top_k`` of many rows still reduces)."""
+    found = []
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name not in SEED_PRIMITIVES:
+            continue
+        largest = max(_effective_nbytes(jaxpr, producers, a) for a in eqn.invars)
+        if largest <= threshold:
+            continue
+        out = max(aval_nbytes(v.aval) for v in eqn.outvars)
+        if eqn.primitive.name.startswith("cum") or out <= threshold or 2 * out <= largest:
+            found.append(i)
+    return found
+
+
+def _effective_nbytes(jaxpr, producers, atom) -> int:
+    """Bytes of ``atom``, or of its producer's largest operand when that is larger
+    (``any(x > 0)`` reduces a small boolean made from a large ``x``)."""
+    if not isinstance(atom, core.Var):
+        return 0
+    size = aval_nbytes(atom.aval)
+    producer = producers.get(atom)
+    if producer is not None and producer.primitive.name in ELEMENTWISE:
+        size = max([size] + [aval_nbytes(a.aval) for a in producer.invars if isinstance(a, core.Var)])
+    return size
+
+
+def seed_labels(jaxpr: core.Jaxpr, seed: int, threshold: int) -> list[object]:
+    """Candidate split labels of ``seed``: the splittable dimensions of its large operands."""
+    eqn = jaxpr.eqns[seed]
+    dm = dim_map(eqn)
+    if dm is None:
+        return []
+    labels = []
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    for atom, ins in zip(eqn.invars, dm.ins):
+        if _effective_nbytes(jaxpr, producers, atom) > threshold:
+            for d, label in enumerate(ins):
+                if label is not None and atom.aval.shape[d] > 1 and label not in labels:
+                    labels.append(label)
+    return labels
+
+
+class _Grower:
+    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, split_size: int):
+        self.jaxpr = jaxpr
+        self.graph = graph
+        self.split_size = split_size
+        self.maps: dict[int, DimMap | None] = {}
+
+    def dim_map(self, i: int) -> DimMap:
+        if i not in self.maps:
+            self.maps[i] = dim_map(self.jaxpr.eqns[i])
+        dm = self.maps[i]
+        if dm is None:
+            raise Infeasible(i, f"no split rule for {self.jaxpr.eqns[i].primitive.name}")
+        return dm
+
+    def large(self, var) -> bool:
+        return aval_nbytes(var.aval) > self.split_size
+
+    def grow(self, seed: int, label) -> SplitRegion:
+        region = SplitRegion(seed, set(), 0, {}, {}, {}, {})
+        queue = collections.deque([(seed, label)])
+        for _ in range(len(self.jaxpr.eqns) + 1):
+            while queue:
+                self._add(region, *queue.popleft(), queue)
+            between = self._between(region)
+            if not between:
+                break
+            queue.append((between[0], self._label_from_operands(region, between[0])))
+        self._check(region)
+        return region
+
+    def _add(self, region: SplitRegion, i: int, label, queue) -> None:
+        if i in region.eqns:
+            if region.label[i] != label:
+                raise Infeasible(i, "reached along two different axes")
+            return
+        eqn = self.jaxpr.eqns[i]
+        dm = self.dim_map(i)
+        if label is None:
+            raise Infeasible(i, f"{eqn.primitive.name} cannot be sliced along the split axis")
+        region.eqns.add(i)
+        region.label[i] = label
+        if label in dm.reduced:
+            region.reducing[i] = dm.reduced[label]
+        for k, var in enumerate(eqn.outvars):
+            axis = dm.out_axis(label, k)
+            if axis is None and i not in region.reducing:
+                raise Infeasible(i, f"{eqn.primitive.name} drops the split axis")
+            self._set_size(region, i, var, axis)
+            region.var_axis[var] = axis
+            if axis is None or isinstance(var, core.DropVar):
+                continue
+            if self.large(var):  # a large value (a result of the program too) is written slice by slice
+                for j in self.graph.uses(var):
+                    if j not in region.eqns:
+                        queue.append((j, self._label_of_use(j, var, axis)))
+        for pos, atom in enumerate(eqn.invars):
+            axis = dm.in_axis(label, pos) if pos < len(dm.ins) else None
+            region.operand_axis[(i, pos)] = axis
+            if not isinstance(atom, core.Var):
+                continue
+            self._set_size(region, i, atom, axis)
+            producer = self.graph.producer.get(atom)
+            if axis is not None and producer is not None and producer not in region.eqns and \
+                    (self.large(atom) or self._reads_large(producer)):
+                k = self.jaxpr.eqns[producer].outvars.index(atom)
+                queue.append((producer, self.dim_map(producer).outs[k][axis]))
+
+    def _reads_large(self, i: int) -> bool:
+        """Whether equation ``i`` reads a large value (then its small result is still worth recomputing)."""
+        return any(isinstance(a, core.Var) and self.large(a) for a in self.jaxpr.eqns[i].invars)
+
+    def _label_of_use(self, j: int, var, axis: int):
+        dm = self.dim_map(j)
+        labels = {dm.ins[pos][axis] for pos, atom in enumerate(self.jaxpr.eqns[j].invars) if atom is var}
+        if len(labels) != 1:
+            raise Infeasible(j, "reads a value along two different axes")
+        return labels.pop()
+
+    def _label_from_operands(self, region: SplitRegion, j: int):
+        for pos, atom in enumerate(self.jaxpr.eqns[j].invars):
+            if isinstance(atom, core.Var) and region.var_axis.get(atom) is not None:
+                return self._label_of_use(j, atom, region.var_axis[atom])
+        raise Infeasible(j, "needs a value reduced over the split axis (that would take two passes)")
+
+    @staticmethod
+    def _set_size(region: SplitRegion, i: int, var, axis) -> None:
+        if axis is None:
+            return
+        size = var.aval.shape[axis]
+        if region.size == 0:
+            region.size = size
+        elif region.size != size:
+            raise Infeasible(i, "split axis changes length")
+
+    def _between(self, region: SplitRegion) -> list[int]:
+        """Equations outside ``region`` on a path that leaves it and re-enters."""
+        graph = self.graph.graph
+        out = set()
+        for i in region.eqns:
+            for succ in graph.successors(i):
+                if succ not in region.eqns:
+                    out.add(succ)
+                    out |= self.graph.descendants(succ)
+        if not out:
+            return []
+        back = set()
+        for i in region.eqns:
+            back |= self.graph.ancestors(i)
+        return sorted((out & back) - region.eqns)
+
+    def _check(self, region: SplitRegion) -> None:
+        for i in region.ordered():
+            for pos, atom in enumerate(self.jaxpr.eqns[i].invars):
+                if isinstance(atom, core.Var) and atom in region.var_axis:
+                    have, want = region.var_axis[atom], region.operand_axis[(i, pos)]
+                    if have is None:
+                        raise Infeasible(i, "needs a value reduced over the split axis (that would take two passes)")
+                    if have != want:
+                        raise Infeasible(i, "reads a region value along another axis")
+
+
+def grow_region(jaxpr: core.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int) -> SplitRegion:
+    """The region grown from ``seed`` along ``label``; raises :class:`Infeasible`."""
+    return _Grower(jaxpr, graph, split_size).grow(seed, label)

@@ -1,0 +1,285 @@
+"""Per-primitive splitting rules: how dimensions correspond through an equation.
+
+A rule labels every dimension of an equation's operands and results, the way
+an einsum does: dimensions that carry the same *label* are one iteration
+dimension of the equation, so slicing one of them means slicing all the
+others at the same offsets. A dimension labelled ``None`` cannot be sliced
+(a size-1 broadcast, the sorted axis of ``sort``, a merged ``reshape``
+dimension...). A label present in operands but absent from every result is
+*reduced*; ``DimMap.reduced`` names the monoid that combines partial results
+computed on slices (``add`` for sums and contractions, ``max``, ``argmax``,
+``top_k``...).
+
+``chunk_params(eqn, out_shapes)`` gives the parameters an equation needs when
+its results have the (smaller) ``out_shapes``: the shape parameters of
+``broadcast_in_dim``, ``reshape``, ``iota`` and ``slice``. Primitives missing
+from :data:`AXIS_RULES` stop a split region (the report names them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable
+
+from jax._src import core
+
+Label = Hashable
+
+
+@dataclasses.dataclass
+class DimMap:
+    """Dimension labels of one equation: ``ins[k][d]`` and ``outs[k][d]`` (``None``: not splittable)."""
+
+    ins: list[list[Label | None]]
+    outs: list[list[Label | None]]
+    reduced: dict[Label, str] = dataclasses.field(default_factory=dict)
+
+    def out_axis(self, label: Label, k: int = 0) -> int | None:
+        """Dimension of result ``k`` carrying ``label`` (``None`` if absent)."""
+        return _index(self.outs[k], label)
+
+    def in_axis(self, label: Label, k: int) -> int | None:
+        """Dimension of operand ``k`` carrying ``label`` (``None`` if absent)."""
+        return _index(self.ins[k], label)
+
+
+def _index(labels, label):
+    if label is None:
+        return None
+    for d, lab in enumerate(labels):
+        if lab == label:
+            return d
+    return None
+
+
+def _shape(atom) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+#: Elementwise primitives (numpy broadcasting of size-1 dims and scalars allowed).
+ELEMENTWISE = frozenset("""
+    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type copy copy_p
+    cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow
+    is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or population_count pow
+    real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
+    sign sin sinh sqrt square stop_gradient sub tan tanh xor clz optimization_barrier
+""".split())
+
+#: Reductions over ``axes`` and the monoid that combines their partial results.
+REDUCTIONS = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
+              "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor"}
+
+#: Primitives that keep every dimension but one, along which they are not splittable.
+ALONG_AXIS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
+              "cumlogsumexp": "axis", "sort": "dimension"}
+
+
+def _elementwise(eqn) -> DimMap:
+    out_shape = _shape(eqn.outvars[0])
+    rank = len(out_shape)
+    ins = []
+    for atom in eqn.invars:
+        shape = _shape(atom)
+        offset = rank - len(shape)
+        ins.append([offset + d if shape[d] == out_shape[offset + d] else None for d in range(len(shape))])
+    return DimMap(ins, [list(range(rank)) for _ in eqn.outvars])
+
+
+def _broadcast_in_dim(eqn) -> DimMap:
+    out_shape = tuple(eqn.params["shape"])
+    operand = _shape(eqn.invars[0])
+    dims = eqn.params["broadcast_dimensions"]
+    op_labels = [dims[d] if operand[d] == out_shape[dims[d]] else None for d in range(len(operand))]
+    return DimMap([op_labels] + [[None] * len(_shape(a)) for a in eqn.invars[1:]], [list(range(len(out_shape)))])
+
+
+def _iota(eqn) -> DimMap:
+    return DimMap([], [list(range(len(eqn.params["shape"])))])
+
+
+def _transpose(eqn) -> DimMap:
+    perm = eqn.params["permutation"]
+    labels = [None] * len(perm)
+    for out_dim, in_dim in enumerate(perm):
+        labels[in_dim] = out_dim
+    return DimMap([labels], [list(range(len(perm)))])
+
+
+def _reduction(eqn) -> DimMap:
+    axes = set(eqn.params["axes"])
+    rank = len(_shape(eqn.invars[0]))
+    in_labels = [("reduced", d) if d in axes else d for d in range(rank)]
+    out_labels = [d for d in range(rank) if d not in axes]
+    monoid = REDUCTIONS.get(eqn.primitive.name, eqn.primitive.name)  # argmax/argmin name their own monoid
+    return DimMap([in_labels], [out_labels], {("reduced", d): monoid for d in axes})
+
+
+def _dot_general(eqn) -> DimMap:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    lhs = [None] * lhs_rank
+    rhs = [None] * rhs_rank
+    for k, (l, r) in enumerate(zip(lb, rb)):
+        lhs[l] = rhs[r] = ("batch", k)
+    for k, (l, r) in enumerate(zip(lc, rc)):
+        lhs[l] = rhs[r] = ("contract", k)
+    lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
+    for d in lhs_free:
+        lhs[d] = ("lhs", d)
+    for d in rhs_free:
+        rhs[d] = ("rhs", d)
+    out = [("batch", k) for k in range(len(lb))] + [("lhs", d) for d in lhs_free] + [("rhs", d) for d in rhs_free]
+    return DimMap([lhs, rhs], [out], {("contract", k): "add" for k in range(len(lc))})
+
+
+def _reshape(eqn) -> DimMap:
+    if eqn.params.get("dimensions") is not None:
+        return DimMap([[None] * len(_shape(eqn.invars[0]))], [[None] * len(eqn.params["new_sizes"])])
+    src, dst = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    src_labels, dst_labels = [None] * len(src), [None] * len(dst)
+    src_prefix = _prefix_products(src)
+    dst_prefix = _prefix_products(dst)
+    for i in range(len(src)):
+        for j in range(len(dst)):
+            if src[i] == dst[j] and src[i] > 1 and src_prefix[i] == dst_prefix[j]:
+                src_labels[i] = dst_labels[j] = j
+    return DimMap([src_labels] + [[None] * len(_shape(a)) for a in eqn.invars[1:]], [dst_labels])
+
+
+def _prefix_products(shape):
+    out, acc = [], 1
+    for size in shape:
+        out.append(acc)
+        acc *= size
+    return out
+
+
+def _squeeze(eqn) -> DimMap:
+    dims = set(d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+    labels, j = [], 0
+    for d in range(len(_shape(eqn.invars[0]))):
+        if d in dims:
+            labels.append(None)
+        else:
+            labels.append(j)
+            j += 1
+    return DimMap([labels], [list(range(j))])
+
+
+def _along_axis(eqn) -> DimMap:
+    axis = eqn.params[ALONG_AXIS[eqn.primitive.name]]
+    rank = len(_shape(eqn.invars[0]))
+    labels = [None if d == axis else d for d in range(rank)]
+    return DimMap([list(labels) for _ in eqn.invars], [list(labels) for _ in eqn.outvars])
+
+
+def _top_k(eqn) -> DimMap:
+    rank = len(_shape(eqn.invars[0]))
+    axis = eqn.params.get("axis", rank - 1) % rank
+    in_labels = [("reduced", d) if d == axis else d for d in range(rank)]
+    out_labels = [None if d == axis else d for d in range(rank)]
+    return DimMap([in_labels], [list(out_labels), list(out_labels)], {("reduced", axis): "top_k"})
+
+
+def _concatenate(eqn) -> DimMap:
+    axis = eqn.params["dimension"]
+    rank = len(_shape(eqn.outvars[0]))
+    labels = [None if d == axis else d for d in range(rank)]
+    return DimMap([list(labels) for _ in eqn.invars], [labels])
+
+
+def _pad(eqn) -> DimMap:
+    config = eqn.params["padding_config"]
+    labels = [d if tuple(cfg) == (0, 0, 0) else None for d, cfg in enumerate(config)]
+    return DimMap([labels, []], [labels])
+
+
+def _slice(eqn) -> DimMap:
+    shape = _shape(eqn.invars[0])
+    starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params.get("strides") or (1,) * len(shape)
+    labels = [d if (starts[d], limits[d], strides[d]) == (0, shape[d], 1) else None for d in range(len(shape))]
+    return DimMap([labels], [labels])
+
+
+def _rev(eqn) -> DimMap:
+    dims = set(eqn.params["dimensions"])
+    labels = [None if d in dims else d for d in range(len(_shape(eqn.invars[0])))]
+    return DimMap([labels], [labels])
+
+
+AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
+    **{name: _elementwise for name in ELEMENTWISE},
+    **{name: _reduction for name in (*REDUCTIONS, "argmax", "argmin")},
+    **{name: _along_axis for name in ALONG_AXIS},
+    "broadcast_in_dim": _broadcast_in_dim,
+    "iota": _iota,
+    "transpose": _transpose,
+    "dot_general": _dot_general,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+    "top_k": _top_k,
+    "concatenate": _concatenate,
+    "pad": _pad,
+    "slice": _slice,
+    "rev": _rev,
+}
+
+
+def dim_map(eqn: core.JaxprEqn) -> DimMap | None:
+    """The rule's labelling of ``eqn``, or ``None`` when hlopass has no rule for its primitive."""
+    rule = AXIS_RULES.get(eqn.primitive.name)
+    if rule is None or eqn.effects:
+        return None
+    return rule(eqn)
+
+
+# -- shape parameters of a slice -------------------------------------------------------------
+
+def _with_shape(key):
+    def update(params, out_shapes):
+        return {**params, key: tuple(out_shapes[0])}
+    return update
+
+
+def _slice_params(params, out_shapes):
+    limits = [start + size for start, size in zip(params["start_indices"], out_shapes[0])]
+    return {**params, "limit_indices": tuple(limits)}
+
+
+CHUNK_PARAMS: dict[str, Callable[[dict, list[tuple[int, ...]]], dict]] = {
+    "broadcast_in_dim": _with_shape("shape"),
+    "iota": _with_shape("shape"),
+    "reshape": _with_shape("new_sizes"),
+    "slice": _slice_params,
+}
+
+
+def chunk_params(eqn: core.JaxprEqn, out_shapes: list[tuple[int, ...]]) -> dict:
+    """``eqn.params`` for results of shapes ``out_shapes`` (operands sliced accordingly)."""
+    update = CHUNK_PARAMS.get(eqn.primitive.name)
+    return eqn.params if update is None else update(eqn.params, out_shapes)
+
+
+# -- monoids combining partial results -------------------------------------------------------
+
+def identity(monoid: str, dtype):
+    """The identity element of ``monoid`` for ``dtype`` (a scalar array)."""
+    from jax._src.lax import lax as lax_internal
+    table = {"add": lax_internal._get_sum_identity, "mul": lax_internal._get_prod_identity,
+             "max": lax_internal._get_max_identity, "min": lax_internal._get_min_identity,
+             "and": lax_internal._get_bitwise_and_identity, "or": lax_internal._get_bitwise_or_identity,
+             "xor": lax_internal._get_bitwise_or_identity}
+    return table[monoid](dtype)
+
+
+def combine(monoid: str, acc, part):
+    """``acc ⊕ part`` for the elementwise monoids."""
+    from jax import lax
+    ops = {"add": lax.add, "mul": lax.mul, "max": lax.max, "min": lax.min,
+           "and": lax.bitwise_and, "or": lax.bitwise_or, "xor": lax.bitwise_xor}
+    return ops[monoid](acc, part)
+
+
+ELEMENTWISE_MONOIDS = ("add", "mul", "max", "min", "and", "or", "xor")

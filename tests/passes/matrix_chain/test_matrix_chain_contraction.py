@@ -1,0 +1,126 @@
+"""hlopass/contraction.py on its own: extraction, costing, ordering and emission of networks."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hlopass.passes.matrix_chain.network import (contract, contract_optimally, extract_networks, network_from_subscripts,
+                                  optimal_path, path_cost)
+from hlopass.graph import DataflowGraph
+
+
+def networks_of(fun, *args):
+    return extract_networks(DataflowGraph(jax.make_jaxpr(fun)(*args)))
+
+
+def test_extraction_labels_transposes_sums_and_batches():
+    A, v = np.ones((3, 4), np.float32), np.ones(3, np.float32)
+    [net] = networks_of(lambda A, v: A.T @ A @ A.T @ v, A, v)
+    assert net.subscripts == "da,dc,bc,b->a"
+    assert net.original_multiply_adds == 4 * 3 * 4 + 4 * 4 * 3 + 4 * 3
+    assert net.original_peak_bytes == 4 * 4 * 4  # the 4x4 product; the transposes are 3x4
+
+    [net] = networks_of(lambda A, B: jnp.sum(A @ B, axis=(0, 1)), A, A.T)
+    assert [op.is_ones for op in net.operands] == [True, True, False, False]
+    assert net.output == ()
+
+    X = np.ones((2, 3, 4), np.float32)
+    [net] = networks_of(lambda X, Y: X @ Y, X, X.transpose(0, 2, 1))
+    assert net.subscripts == "abd,adc->abc"
+
+
+def test_shared_and_returned_products_are_operands():
+    A = np.ones((3, 3), np.float32)
+
+    def fun(A):
+        M = A @ A
+        return M, M @ A
+
+    nets = networks_of(fun, A)
+    assert [len(n.operands) for n in nets] == [2, 2]
+
+
+def all_pairwise_paths(n):
+    """Every contraction order of n operands, in opt_einsum's linear path format."""
+    if n == 1:
+        yield []
+        return
+    for pair in itertools.combinations(range(n), 2):
+        for rest in all_pairwise_paths(n - 1):
+            yield [pair, *rest]
+
+
+def connected_steps(net, path):
+    tensors = [set(op.labels) for op in net.operands]
+    for i, j in path:
+        if not tensors[i] & tensors[j]:
+            return False
+        merged = tensors[i] | tensors[j]
+        tensors = [t for k, t in enumerate(tensors) if k not in (i, j)] + [merged]
+    return True
+
+
+@st.composite
+def einsum_networks(draw):
+    n_operands = draw(st.integers(2, 5))
+    alphabet = "abcdef"
+    sizes = {label: draw(st.integers(1, 6)) for label in alphabet}
+    inputs = [draw(st.lists(st.sampled_from(alphabet), min_size=0, max_size=3, unique=True))
+              for _ in range(n_operands)]
+    present = sorted(set().union(*map(set, inputs)))
+    output = draw(st.lists(st.sampled_from(present), unique=True)) if present else []
+    subscripts = ",".join("".join(i) for i in inputs) + "->" + "".join(output)
+    shapes = [tuple(sizes[label] for label in labels) for labels in inputs]
+    return subscripts, shapes
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(spec=einsum_networks(), seed=st.integers(0, 1000))
+def test_optimal_order_of_any_network_matches_einsum_and_beats_every_connected_order(spec, seed):
+    subscripts, shapes = spec
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(shape) for shape in shapes]
+    with jax.enable_x64(True):
+        got = np.asarray(contract_optimally(subscripts, *arrays))
+    np.testing.assert_allclose(got, np.einsum(subscripts, *arrays), rtol=1e-10, atol=1e-10)
+
+    net = network_from_subscripts(subscripts, *((s, np.float64) for s in shapes))
+    best = path_cost(net, optimal_path(net)).multiply_adds
+    connected = [path_cost(net, p).multiply_adds for p in all_pairwise_paths(len(shapes)) if connected_steps(net, p)]
+    assert best <= min(connected, default=best)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(spec=einsum_networks(), limit=st.integers(1, 60))
+def test_memory_limit_bounds_every_intermediate(spec, limit):
+    subscripts, shapes = spec
+    net = network_from_subscripts(subscripts, *((s, np.float32) for s in shapes))
+    try:
+        path = optimal_path(net, limit)
+    except RuntimeError:
+        return  # no order fits; the pass then falls back to the cheapest order
+    assert path_cost(net, path).peak_elements <= max(limit, net.size(net.output))
+
+
+def test_contract_emits_only_the_chosen_products():
+    net = network_from_subscripts("ij,jk,k->i", ((50, 40), np.float32), ((40, 30), np.float32), ((30,), np.float32))
+    for op in net.operands:
+        op.atom = object()
+    jaxpr = jax.make_jaxpr(lambda *a: contract(net, [(1, 2), (0, 1)], a))(
+        np.ones((50, 40), np.float32), np.ones((40, 30), np.float32), np.ones(30, np.float32))
+    assert [eqn.outvars[0].aval.shape for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "dot_general"] == [
+        (40,), (50,)]
+    assert path_cost(net, [(1, 2), (0, 1)]).multiply_adds == 40 * 30 + 50 * 40
+    assert path_cost(net, [(0, 1), (0, 1)]).multiply_adds == 50 * 40 * 30 + 50 * 30
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.bfloat16, jnp.float32), (jnp.float16, jnp.bfloat16)])
+def test_contract_promotes_like_matmul(dtypes):
+    a = jnp.ones((4, 5), dtypes[0])
+    b = jnp.ones((5, 3), dtypes[1])
+    assert contract_optimally("ij,jk->ik", a, b).dtype == (a @ b).dtype

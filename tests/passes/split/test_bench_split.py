@@ -1,0 +1,21 @@
+"""Smoke run of tools/bench_split.py (--tiny) in a subprocess: it runs, prints the table, writes JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests import ROOT
+
+
+def test_bench_split_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_split.py"), "--tiny", "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median time ratio split/jax.jit" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert {r["workload"].split()[0] for r in rows} == {"kernel", "knn", "attention", "sgpr"}
+    for row in rows:
+        assert row["split_err"] < 1e-4 and row["map_err"] < 1e-4, row
+        assert row["split_temp"] < row["jit_temp"], row
