@@ -12,16 +12,22 @@
 * ``memory.FMT`` (matplotlib): bytes live along the program before and after
   (:mod:`hlopass.inspection.liveness`), with XLA's own figures marked.
 
-Both libraries are optional. A missing one produces a
-:class:`MissingToolWarning` naming what to install, and the other picture is
-still drawn; the graph's DOT source is written whenever the ``graphviz``
-package is present, even without the ``dot`` program.
+Both are optional (the ``plot`` extra installs them). The graph is laid out
+by a Graphviz renderer: the system's ``dot`` program when there is one,
+otherwise ``graphviz-pure`` (a statically linked port of ``dot`` on PyPI, in
+the ``plot`` extra), found next to the running Python or on ``PATH``. A
+missing tool produces a :class:`MissingToolWarning` naming what to install,
+and the other picture is still drawn; the graph's DOT source is written
+whenever the ``graphviz`` package is present, even without a renderer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import subprocess
+import sys
 import warnings
 from typing import Iterable
 
@@ -45,6 +51,9 @@ MAX_NODES = 80
 MAX_DEPTH = 3
 #: Equations with outputs this small (scalar index arithmetic of loops) are hidden by default.
 SCALAR_BYTES = 64
+
+#: Graphviz renderers, in order of preference: the system's program, then the PyPI port.
+RENDERERS = ("dot", "graphviz-pure")
 
 REWRITTEN_FILL = "#ffb347"
 LOOP_FILL = "#e8f0ff"
@@ -274,15 +283,34 @@ def _add_level(graph, level: Level, large_bytes: int | None) -> None:
             graph.edge(src, dst, label=f"{type_text}\n{format_size(nbytes)}" if sized else type_text)
 
 
+def find_renderer() -> str | None:
+    """The path of a Graphviz renderer: ``dot`` on ``PATH``, else ``graphviz-pure`` next to the
+    running Python (a virtual environment's ``bin/``) or on ``PATH``; ``None`` when there is neither."""
+    for program in RENDERERS:
+        for folder in (None, os.path.dirname(sys.executable)):
+            found = shutil.which(program, path=folder)
+            if found:
+                return found
+    return None
+
+
+def render(source: str, fmt: str, renderer: str) -> bytes:
+    """Lay out the DOT ``source`` with ``renderer`` (a ``dot``-compatible program) as ``fmt`` bytes."""
+    result = subprocess.run([renderer, "-Kdot", f"-T{fmt}"], input=source.encode(), capture_output=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{renderer} -T{fmt} failed (exit {result.returncode}): "
+                           f"{result.stderr.decode(errors='replace').strip()}")
+    return result.stdout
+
+
 def draw_graph(closed, path_stem: str, fmt: str, title: str, rewritten_at: set[str],
                large_bytes: int | None = None, min_bytes: int | None = None) -> list[str]:
     """Draw ``closed`` to ``path_stem.dot`` and ``path_stem.FMT``; returns the files written.
 
     ``min_bytes`` hides smaller equations (``None``: chosen so the graph stays readable).
     Raises ``ImportError`` without the ``graphviz`` package; warns (and writes only the
-    ``.dot`` source) without the ``dot`` program.
+    ``.dot`` source) when no renderer is found (:func:`find_renderer`).
     """
-    import graphviz
     level = build_level(closed, title, rewritten_at)
     threshold = auto_min_bytes(level) if min_bytes is None else min_bytes
     if threshold:
@@ -291,12 +319,13 @@ def draw_graph(closed, path_stem: str, fmt: str, title: str, rewritten_at: set[s
     written = [f"{path_stem}.dot"]
     with open(written[0], "w") as handle:
         handle.write(graph.source)
-    try:
-        data = graph.pipe(format=fmt)
-    except graphviz.ExecutableNotFound:
-        warnings.warn(f"hlopass: the graph picture needs the Graphviz 'dot' program (e.g. apt-get install "
-                      f"graphviz); wrote only its source {written[0]}", MissingToolWarning, stacklevel=2)
+    renderer = find_renderer()
+    if renderer is None:
+        warnings.warn(f"hlopass: the graph picture needs a Graphviz renderer: the 'dot' program (e.g. apt-get "
+                      f"install graphviz) or graphviz-pure (pip install graphviz-pure, or pip install "
+                      f"hlopass[plot]); wrote only its source {written[0]}", MissingToolWarning, stacklevel=2)
         return written
+    data = render(graph.source, fmt, renderer)
     with open(f"{path_stem}.{fmt}", "wb") as handle:
         handle.write(data)
     return written + [f"{path_stem}.{fmt}"]
@@ -374,7 +403,7 @@ def draw_explanation(explanation, folder: str, fmt: str = "svg", min_bytes: int 
             written += draw_graph(closed, os.path.join(folder, f"graph_{name}"), fmt, title, at, large, min_bytes)
     except ImportError:
         warnings.warn("hlopass: graph pictures need the Python package 'graphviz' (pip install graphviz, or "
-                      "pip install hlopass[plot]) and the Graphviz 'dot' program", MissingToolWarning, stacklevel=2)
+                      "pip install hlopass[plot])", MissingToolWarning, stacklevel=2)
     try:
         written.append(draw_memory_timeline(
             timeline(explanation.original_jaxpr), timeline(explanation.rewritten_jaxpr),

@@ -6,8 +6,10 @@ import glob
 import os
 import sys
 
+import graphviz  # noqa: F401 - the plot extra is part of the test install: no test here may skip
 import jax
 import jax.numpy as jnp
+import matplotlib  # noqa: F401
 import pytest
 from jax import lax
 
@@ -16,8 +18,6 @@ from fixtures.kernels import kernel_matvec
 from hlopass.inspection import cli, draw, liveness
 from hlopass.interpreter import Replacement, rewrite
 from hlopass.pass_base import Pass
-
-pytest.importorskip("matplotlib")
 
 N = 600
 BLOCK = 100
@@ -50,18 +50,6 @@ class RowBlockPass(Pass):
         report.rewrite("rowblock", jaxpr.eqns[dots[-1]], f"mapped over blocks of {BLOCK} rows")
         replacement = Replacement(range(len(jaxpr.eqns)), jaxpr.invars, jaxpr.outvars, build, anchor=dots[-1])
         return rewrite(closed, [replacement])
-
-
-def graphviz_ready() -> bool:
-    try:
-        import graphviz
-        graphviz.Digraph().pipe(format="svg")
-    except Exception:  # noqa: BLE001 - package or the dot program missing
-        return False
-    return True
-
-
-needs_graphviz = pytest.mark.skipif(not graphviz_ready(), reason="needs the graphviz package and the dot program")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +91,6 @@ def test_liveness_shows_the_rewrite_lowering_the_peak(explanation):
 
 # -- graph pictures ---------------------------------------------------------------------------
 
-@needs_graphviz
 @pytest.mark.parametrize("fmt", ["png", "svg"])
 def test_draw_explanation_writes_graphs_and_timeline(explanation, tmp_path, fmt):
     files = draw.draw_explanation(explanation, str(tmp_path), fmt)
@@ -116,7 +103,6 @@ def test_draw_explanation_writes_graphs_and_timeline(explanation, tmp_path, fmt)
         assert len(data) > 2000
 
 
-@needs_graphviz
 def test_graphs_label_large_tensors_highlight_rewrites_and_cluster_loops(explanation, tmp_path):
     draw.draw_explanation(explanation, str(tmp_path), "svg")
     before = (tmp_path / "graph_before.dot").read_text()
@@ -132,7 +118,6 @@ def test_graphs_label_large_tensors_highlight_rewrites_and_cluster_loops(explana
     assert "loop: scan" in svg
 
 
-@needs_graphviz
 def test_long_elementwise_chains_are_collapsed(tmp_path):
     def chain(x):
         return jnp.tanh(jnp.exp(jnp.sin(jnp.cos(x) * 2.0) + 1.0)).sum()
@@ -176,12 +161,36 @@ def test_missing_graphviz_package_warns_and_still_draws_the_timeline(explanation
     assert (tmp_path / "memory.png").read_bytes().startswith(PNG_MAGIC)
 
 
-def test_missing_dot_program_warns_and_writes_the_source(explanation, tmp_path, monkeypatch):
-    pytest.importorskip("graphviz")
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.warns(draw.MissingToolWarning, match="'dot' program"):
+def test_missing_renderer_warns_and_writes_the_source(explanation, tmp_path, monkeypatch):
+    monkeypatch.setattr(draw, "find_renderer", lambda: None)  # neither dot nor graphviz-pure installed
+    with pytest.warns(draw.MissingToolWarning, match="'dot' program .* graphviz-pure"):
         files = draw.draw_explanation(explanation, str(tmp_path), "svg")
     assert sorted(os.path.basename(f) for f in files) == ["graph_after.dot", "graph_before.dot", "memory.svg"]
+
+
+def test_renderer_is_graphviz_pure_next_to_python_when_no_dot_is_on_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    renderer = draw.find_renderer()
+    assert renderer == os.path.join(os.path.dirname(sys.executable), "graphviz-pure")
+    png = draw.render('digraph { a -> b [label="f32[600,600,3]"] }', "png", renderer)
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+    svg = draw.render("digraph { a -> b }", "svg", renderer).decode()
+    assert "<svg" in svg and ">a</text>" in svg and ">b</text>" in svg
+
+
+def test_a_system_dot_is_preferred(tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    fake_dot = folder / "dot"
+    fake_dot.write_text("#!/bin/sh\nexit 0\n")
+    fake_dot.chmod(0o755)
+    monkeypatch.setenv("PATH", str(folder))
+    assert draw.find_renderer() == str(fake_dot)
+
+
+def test_a_failing_renderer_is_an_error_with_its_message():
+    with pytest.raises(RuntimeError, match="syntax error"):
+        draw.render("digraph { a -> }", "svg", draw.find_renderer())
 
 
 def test_unknown_format_is_refused(explanation, tmp_path):
@@ -191,7 +200,6 @@ def test_unknown_format_is_refused(explanation, tmp_path):
 
 # -- entry points: hlopass-dump and HLOPASS_DUMP_TO --------------------------------------------
 
-@needs_graphviz
 def test_cli_format_png_draws_pictures(tmp_path, capsys):
     args = ["fixtures.kernels:kernel_matvec", "--arg", f"f32[{N},3]", "--arg", f"f32[{N},3]", "--arg", f"f32[{N}]",
             "--passes", "test_draw_rowblock", "--threshold", "1MB", "--out", str(tmp_path), "--format", "png"]
@@ -201,7 +209,6 @@ def test_cli_format_png_draws_pictures(tmp_path, capsys):
     assert "mapped over blocks" in capsys.readouterr().out
 
 
-@needs_graphviz
 def test_dump_to_with_dump_format_draws_pictures(tmp_path, monkeypatch):
     monkeypatch.setenv("HLOPASS_DUMP_FORMAT", "svg")
     function = hlopass.jit(kernel_matvec, passes="test_draw_rowblock", threshold="1MB", dump_to=str(tmp_path))
@@ -223,7 +230,6 @@ def test_everything_inside_a_loop_emitted_by_a_rewrite_is_highlighted(explanatio
     assert not any(n.highlighted for n in draw._all_nodes(untouched))
 
 
-@needs_graphviz
 def test_every_construct_of_the_program_zoo_can_be_drawn(tmp_path):
     from tests.programs import zoo
     for name, function, args in zoo():
