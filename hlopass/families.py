@@ -81,3 +81,18 @@ def dot_general_labels(dimension_numbers, lhs_rank: int, rhs_rank: int):
     out = ([("batch", k) for k in range(len(lb))] + [label for label in lhs if label[0] == "lhs"]
            + [label for label in rhs if label[0] == "rhs"])
     return lhs, rhs, out
+
+
+def dot_general_operand_labels(dimension_numbers, lhs_shape, rhs_shape, out_labels, fresh):
+    """The operands' labels of a ``dot_general`` whose result axes carry ``out_labels``.
+
+    Contracted axes get new labels from ``fresh(size)``. Returns
+    ``(lhs_labels, rhs_labels, contracted_labels)``.
+    """
+    lhs, rhs, out = dot_general_labels(dimension_numbers, len(lhs_shape), len(rhs_shape))
+    names = dict(zip(out, out_labels))
+    for label, size in zip(lhs, lhs_shape):
+        if label[0] == "contract":
+            names[label] = fresh(int(size))
+    contracted = [names[label] for label in lhs if label[0] == "contract"]
+    return [names[label] for label in lhs], [names[label] for label in rhs], contracted

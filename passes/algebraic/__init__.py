@@ -38,7 +38,8 @@ from hlopass.pass_base import Pass
 from hlopass.report import source_line
 from hlopass.sizes import format_size
 
-from .expansion import EXPANSION_RULES, Expander, Expansion, Internal, NoMatch, Scope, check_emittable, emit
+from .expansion import (EXPANSION_RULES, Expander, Expansion, ExpansionLimits, Internal, NoMatch, Scope,
+                        check_emittable, emit)
 
 ROOT_PRIMITIVES = ("reduce_sum", "dot_general", "cond")
 #: The capability of a later pass that takes sums of matrix products off this pass's hands.
@@ -88,7 +89,8 @@ def classify(expansion: Expansion, candidate_internal: list[Internal], output_la
 
 
 def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
-                   products_reordered_by: str | None = None, scope: Scope | None = None) -> Candidate | None:
+                   products_reordered_by: str | None = None, scope: Scope | None = None,
+                   limits: ExpansionLimits = ExpansionLimits()) -> Candidate | None:
     """The candidate rooted at equation ``index``, or ``None`` (recording why when it matters).
 
     Plain sums of matrix products are left to the pass named ``products_reordered_by``
@@ -98,7 +100,7 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
     out = eqn.outvars[0]
     if len(eqn.outvars) != 1 or np.dtype(out.aval.dtype).kind != "f":
         return None
-    expander = Expander(jaxpr, scope)
+    expander = Expander(jaxpr, scope, limits)
     labels = expander.fresh_labels(out.aval.shape)
     try:
         expansion = EXPANSION_RULES[eqn.primitive.name](expander, eqn, expander.top, 0, labels)
@@ -194,12 +196,13 @@ class AlgebraicPass(Pass):
     """
 
     name = "algebraic"
+    Options = ExpansionLimits
 
     def run_level(self, closed: core.ClosedJaxpr, config, report) -> core.ClosedJaxpr:
         jaxpr = closed.jaxpr
         scope = Scope(jaxpr)
         later = self.later_provides(REORDERS_PRODUCTS)
-        found = [find_candidate(jaxpr, i, config.threshold, report, later, scope)
+        found = [find_candidate(jaxpr, i, config.threshold, report, later, scope, self.options)
                  for i, eqn in enumerate(jaxpr.eqns)
                  if eqn.primitive.name in ROOT_PRIMITIVES and _touches_large(eqn, config.threshold)]
         candidates = keep_effective(jaxpr, [c for c in found if c is not None], report)

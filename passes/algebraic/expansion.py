@@ -44,14 +44,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core
 
+from hlopass.einsum_order import einsum_order
+from hlopass.families import dot_general_operand_labels
 from hlopass.jaxpr_utils import aval_nbytes
 
-#: The most sums multiplied together that an expansion may hold (2: a square).
+#: The most sums multiplied together that an expansion may hold (2: a square). Not a tuning
+#: knob: deeper expansions cancel catastrophically.
 MAX_DEPTH = 2
-#: The most monomials an expansion may hold before matching gives up.
-MAX_TERMS = 32
-#: The most equations one expansion may visit.
-MAX_VISITS = 400
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpansionLimits:
+    """How far an expansion may go before matching gives up (``AlgebraicPass(max_terms=...)``)."""
+
+    #: The most monomials an expansion may hold.
+    max_terms: int = 32
+    #: The most equations one expansion may visit.
+    max_visits: int = 400
 
 
 class NoMatch(Exception):
@@ -129,10 +138,7 @@ def _collect(monomials) -> tuple[Monomial, ...]:
     coeffs: dict[tuple, float] = {}
     for m in monomials:
         coeffs[m.key] = coeffs.get(m.key, 0.0) + m.coeff
-    out = tuple(Monomial(c, *key) for key, c in coeffs.items() if c != 0)
-    if len(out) > MAX_TERMS:
-        raise NoMatch(f"expansion has more than {MAX_TERMS} terms")
-    return out
+    return tuple(Monomial(c, *key) for key, c in coeffs.items() if c != 0)
 
 
 def add(a: Expansion, b: Expansion, sign: float = 1.0) -> Expansion:
@@ -259,8 +265,9 @@ class Expander:
     looked through; ``notes`` says why sub-expressions became leaves.
     """
 
-    def __init__(self, jaxpr: core.Jaxpr, top: Scope | None = None):
+    def __init__(self, jaxpr: core.Jaxpr, top: Scope | None = None, limits: ExpansionLimits = ExpansionLimits()):
         self.top = top if top is not None else Scope(jaxpr)  # share one Scope across expanders of a level
+        self.limits = limits
         self.sources: list[core.Var] = []
         self._source_index: dict[core.Var, int] = {}
         self.label_sizes: dict[int, int] = {}
@@ -289,7 +296,7 @@ class Expander:
         if atom in scope.consts:
             return self._literal(scope.consts[atom])
         self._visits += 1
-        if self._visits > MAX_VISITS:
+        if self._visits > self.limits.max_visits:
             raise NoMatch("expression too large to expand")
         found = scope.defining(atom)
         if found is not None:
@@ -299,6 +306,8 @@ class Expander:
                 looked_through = set(self.internal)
                 try:
                     result = fn(self, eqn, scope, position, labels)
+                    if len(result.monomials) > self.limits.max_terms:
+                        raise NoMatch(f"expansion has more than {self.limits.max_terms} terms")
                 except NoMatch as reason:
                     if not scope.is_top:
                         raise
@@ -462,22 +471,8 @@ def _reduce_sum(ex, eqn, scope, _k, labels):
 
 def dot_general_labels(ex: Expander, eqn, labels: tuple) -> tuple[tuple, tuple, list]:
     """Labels of a ``dot_general`` 's two operands given its output's, and the contracted labels."""
-    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
-    lhs_shape, rhs_shape = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-    lhs, rhs = [None] * len(lhs_shape), [None] * len(rhs_shape)
-    out = iter(labels)
-    for a, b in zip(lhs_b, rhs_b):
-        lhs[a] = rhs[b] = next(out)
-    free_l = [a for a in range(len(lhs_shape)) if a not in lhs_c and a not in lhs_b]
-    free_r = [b for b in range(len(rhs_shape)) if b not in rhs_c and b not in rhs_b]
-    for a in free_l:
-        lhs[a] = next(out)
-    for b in free_r:
-        rhs[b] = next(out)
-    contracted = []
-    for a, b in zip(lhs_c, rhs_c):
-        lhs[a] = rhs[b] = ex.fresh(int(lhs_shape[a]))
-        contracted.append(lhs[a])
+    lhs, rhs, contracted = dot_general_operand_labels(
+        eqn.params["dimension_numbers"], eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, labels, ex.fresh)
     return tuple(lhs), tuple(rhs), contracted
 
 
@@ -654,18 +649,13 @@ def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out
 
 
 def contraction_path(spec: str, shapes) -> list:
-    """A pairwise einsum order whose intermediates are no larger than its largest operand or result.
-
-    ``opt_einsum`` s dynamic programme minimises flops; with a memory limit it keeps away from
-    the outer products (n x m x d) that the rewrite exists to avoid.
-    """
+    """A pairwise einsum order whose intermediates are no larger than its largest operand or result
+    when one exists (it keeps away from the n x m x d outer products the rewrite exists to avoid),
+    else the cheapest order."""
     out = spec.split("->")[1]
     sizes = {c: int(n) for term, shape in zip(spec.split("->")[0].split(","), shapes) for c, n in zip(term, shape)}
     limit = max([int(np.prod(s, dtype=np.int64)) for s in shapes] + [int(np.prod([sizes[c] for c in out], dtype=np.int64))])
-    path, _ = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="dp", memory_limit=limit)
-    if any(len(step) > 2 for step in path):
-        path, _ = opt_einsum.contract_path(spec, *shapes, shapes=True, optimize="dp")
-    return list(path)
+    return einsum_order(spec, shapes, limit)
 
 
 def _raise(value, power: int):

@@ -36,7 +36,7 @@ from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
 
-from .network import (MAX_OPERANDS, Network, Path, contract, describe_path, extract_networks, fitting_path,
+from .network import (ChainOptions, Network, Path, contract, describe_path, extract_networks, fitting_path,
                       optimal_path, path_cost, shared_worth_inlining)
 
 
@@ -56,6 +56,7 @@ class MatrixChainPass(Pass):
 
     name = "matrix_chain"
     provides = frozenset({"reorder_products"})
+    Options = ChainOptions
 
     def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
         live = dce(closed)  # dead readers would otherwise make products look shared
@@ -63,18 +64,20 @@ class MatrixChainPass(Pass):
             live = closed
         graph = DataflowGraph(live)
         replacements = []
-        for network in extract_networks(graph, shared_worth_inlining(graph)):
+        options = self.options
+        for network in extract_networks(graph, shared_worth_inlining(graph, options=options)):
             root = graph.eqn(network.root)
             if network.unsupported:
                 report.skip(root, "dot_general", f"chain {network.original_expression}: {network.unsupported}")
                 continue
-            if len(network.operands) > MAX_OPERANDS:
+            if len(network.operands) > options.max_operands:
                 report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
-                                                 f"the pass handles ({MAX_OPERANDS})")
+                                                 f"the pass handles ({options.max_operands})")
                 continue
             # A chain that recomputes a shared product must be rewritten: the
             # product's other readers no longer have it otherwise.
-            plan = plan_order(network, config.threshold, force=bool(network.shared_eqns))
+            plan = plan_order(network, config.threshold, force=bool(network.shared_eqns),
+                              search_limit=options.max_exponential_search)
             if plan is None:
                 continue
             replacements.append(Replacement(
@@ -86,7 +89,8 @@ class MatrixChainPass(Pass):
         return rewrite(live, replacements, name="matrix_chain")
 
 
-def plan_order(network: Network, threshold_bytes: int | None, force: bool = False) -> Plan | None:
+def plan_order(network: Network, threshold_bytes: int | None, force: bool = False,
+               search_limit: int = ChainOptions.max_exponential_search) -> Plan | None:
     """The order to emit for ``network``, or ``None`` when the order as written is as good
     (never ``None`` with ``force``).
 
@@ -100,15 +104,15 @@ def plan_order(network: Network, threshold_bytes: int | None, force: bool = Fals
     path = None
     if limit is not None:
         try:
-            path = optimal_path(network, limit)
+            path = optimal_path(network, limit, search_limit)
         except RuntimeError:
             path = None
     if path is None:
-        path = optimal_path(network)
+        path = optimal_path(network, search_limit=search_limit)
     cost = path_cost(network, path)
     if limit is not None and cost.peak_elements > limit:
         # opt_einsum's limit also bounds the result; search for an order whose intermediates fit.
-        fitting = fitting_path(network, limit)
+        fitting = fitting_path(network, limit, search_limit)
         if fitting is not None:
             path, cost = fitting, path_cost(network, fitting)
     peak_after = cost.peak_elements * itemsize

@@ -39,6 +39,8 @@ import numpy as np
 import opt_einsum
 from jax._src import core
 
+from hlopass.einsum_order import cheapest_order
+from hlopass.families import dot_general_operand_labels
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 
 Label = str
@@ -50,12 +52,21 @@ Path = list[tuple[int, ...]]
 LINK_PRIMITIVES = ("dot_general", "transpose", "reduce_sum", "convert_element_type", "mul",
                    "squeeze", "broadcast_in_dim", "reshape")
 UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
-#: Networks with more operands are left alone.
-MAX_OPERANDS = 64
-#: The exact search is exponential when a label joins more than two operands
-#: (a batch axis summed away) or when outer products are searched: such
-#: networks get it only up to this many operands, larger ones opt_einsum's greedy search.
-MAX_EXPONENTIAL_SEARCH = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainOptions:
+    """Tuning of the matrix-chain pass (``MatrixChainPass(max_operands=32)``)."""
+
+    #: Networks with more operands are left alone.
+    max_operands: int = 64
+    #: The exact search is exponential when a label joins more than two operands
+    #: (a batch axis summed away) or when outer products are searched: such
+    #: networks get it only up to this many operands, larger ones opt_einsum's greedy search.
+    max_exponential_search: int = 10
+
+
+DEFAULTS = ChainOptions()
 
 
 @dataclasses.dataclass
@@ -203,11 +214,12 @@ def shareable(graph) -> list:
     return found
 
 
-def shared_worth_inlining(graph, cost=None, max_candidates: int = 32) -> frozenset:
+def shared_worth_inlining(graph, cost=None, max_candidates: int = 32,
+                          options: ChainOptions = DEFAULTS) -> frozenset:
     """The shared results to recompute in each chain that reads them, chosen greedily: one is
     taken when the chains' total optimal multiply-adds (``cost(network)``, by default
     :func:`optimal_path`'s) drop below those of keeping it a boundary computed once."""
-    cost = cost or _optimal_multiply_adds
+    cost = cost or functools.partial(_optimal_multiply_adds, options=options)
     inline: frozenset = frozenset()
     candidates = shareable(graph)[:max_candidates]
     if not candidates:
@@ -220,20 +232,21 @@ def shared_worth_inlining(graph, cost=None, max_candidates: int = 32) -> frozens
     return inline
 
 
-def _optimal_multiply_adds(network: Network) -> float:
-    if len(network.operands) > MAX_OPERANDS or network.unsupported:
+def _optimal_multiply_adds(network: Network, options: ChainOptions = DEFAULTS) -> float:
+    if len(network.operands) > options.max_operands or network.unsupported:
         # left as written: a shared product it reads would be computed anyway
         return math.inf if network.shared_eqns else network.original_multiply_adds
-    return _cached_optimal_multiply_adds(network.subscripts, tuple(sorted(network.sizes.items())))
+    return _cached_optimal_multiply_adds(network.subscripts, tuple(sorted(network.sizes.items())),
+                                         options.max_exponential_search)
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_optimal_multiply_adds(subscripts: str, sizes: tuple) -> int:
+def _cached_optimal_multiply_adds(subscripts: str, sizes: tuple, search_limit: int) -> int:
     inputs, output = subscripts.split("->")
     size = dict(sizes)
     network = Network([Operand(None, tuple(labels), np.dtype("float32")) for labels in inputs.split(",")],
                       tuple(output), size, np.dtype("float32"))
-    return path_cost(network, optimal_path(network)).multiply_adds
+    return path_cost(network, optimal_path(network, search_limit=search_limit)).multiply_adds
 
 
 def _joins_consumer(graph, atom, consumer: int) -> bool:
@@ -343,15 +356,15 @@ class _NetworkBuilder:
         return self.visit(operand, operand_labels)
 
     def visit_dot(self, index: int, eqn, labels: Sequence[Label]) -> str:
-        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
         lhs, rhs = eqn.invars
-        contracted = self.fresh(len(lhs_contract))
-        n_batch = len(lhs_batch)
-        n_lhs_free = len(lhs.aval.shape) - len(lhs_contract) - n_batch
-        batch, lhs_free, rhs_free = labels[:n_batch], labels[n_batch:n_batch + n_lhs_free], labels[n_batch + n_lhs_free:]
-        lhs_labels = _place(len(lhs.aval.shape), zip(lhs_batch, batch), zip(lhs_contract, contracted), lhs_free)
-        rhs_labels = _place(len(rhs.aval.shape), zip(rhs_batch, batch), zip(rhs_contract, contracted), rhs_free)
-        self.sizes.update(zip(contracted, (lhs.aval.shape[a] for a in lhs_contract)))
+
+        def fresh(size: int) -> Label:
+            [label] = self.fresh(1)
+            self.sizes[label] = size
+            return label
+
+        lhs_labels, rhs_labels, _ = dot_general_operand_labels(
+            eqn.params["dimension_numbers"], lhs.aval.shape, rhs.aval.shape, labels, fresh)
         self.charge(index, math.prod(self.sizes[label] for label in set(lhs_labels) | set(rhs_labels)))
         self.precisions.add(eqn.params.get("precision"))
         self.dots += 1
@@ -361,21 +374,14 @@ class _NetworkBuilder:
         operand = eqn.invars[0]
         axes = sorted(eqn.params["axes"])
         summed = self.fresh(len(axes))
-        operand_labels = _place(len(operand.aval.shape), (), zip(axes, summed), labels)
+        kept = iter(labels)
+        by_axis = dict(zip(axes, summed))
+        operand_labels = [by_axis[d] if d in by_axis else next(kept) for d in range(len(operand.aval.shape))]
         self.sizes.update(zip(summed, (operand.aval.shape[a] for a in axes)))
         self.charge(index, math.prod(operand.aval.shape))
         dtype = np.dtype(operand.aval.dtype)
         self.operands.extend(Operand(None, (label,), dtype) for label in summed)
         return f"sum({self.visit(operand, operand_labels)}, axes={tuple(axes)})"
-
-
-def _place(ndim: int, batch, contracted, free) -> list[Label]:
-    """Labels of an operand: ``batch``/``contracted`` are (axis, label) pairs, ``free`` fills the rest in order."""
-    labels: list[Label | None] = [None] * ndim
-    for axis, label in itertools.chain(batch, contracted):
-        labels[axis] = label
-    rest = iter(free)
-    return [label if label is not None else next(rest) for label in labels]
 
 
 # -- choosing and costing orders -------------------------------------------------------------
@@ -447,14 +453,15 @@ def _execute(network: Network, path: Path, leaf, sum_out, dot):
     return sum_out(tensors[0], set(network.output))
 
 
-def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
+def optimal_path(network: Network, memory_limit: int | None = None,
+                 search_limit: int = DEFAULTS.max_exponential_search) -> Path:
     """The order with the fewest multiply-adds (opt_einsum ``dp``), every intermediate within
     ``memory_limit`` elements if given; raises ``RuntimeError`` when no order fits.
 
     Labels carried by every operand and by the output (pure batch dimensions)
     scale every step alike; they are left out of the search, which keeps it a
     chain search instead of one over all subsets. Networks whose search would
-    be exponential and that have more than ``MAX_EXPONENTIAL_SEARCH`` operands
+    be exponential and that have more than ``search_limit`` operands
     get opt_einsum's greedy order instead (not always optimal).
     """
     inputs = [set(op.labels) for op in network.operands]
@@ -466,7 +473,7 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
     if memory_limit is not None:
         memory_limit = max(memory_limit // max(network.size(batch), 1), network.size(output - batch))
     inputs, output = [i - batch for i in inputs], output - batch
-    small = len(inputs) <= MAX_EXPONENTIAL_SEARCH
+    small = len(inputs) <= search_limit
     # dp joins only operands that share a summed label; pieces joined by kept
     # labels alone (or by nothing, after a squeeze) need its outer-product search.
     connected = _connected(inputs, output)
@@ -476,22 +483,24 @@ def optimal_path(network: Network, memory_limit: int | None = None) -> Path:
     search_outer = not connected
     if search_outer:
         inputs = _tie_scalars(inputs, output, sizes)
-    optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True, search_outer=search_outer)
-    path = optimizer(inputs, output, sizes, memory_limit)
-    return [tuple(step) for step in path]
+    path = cheapest_order(inputs, output, sizes, memory_limit, search_outer=search_outer)
+    if path is None:
+        raise RuntimeError("no contraction order keeps the intermediates within the memory limit")
+    return path
 
 
-def fitting_path(network: Network, memory_limit: int) -> Path | None:
+def fitting_path(network: Network, memory_limit: int,
+                 search_limit: int = DEFAULTS.max_exponential_search) -> Path | None:
     """The order with the fewest multiply-adds whose intermediates (not the final result) all stay
     within ``memory_limit`` elements, by an exact search over bracketings; ``None`` if none fits or
-    the network has more than ``MAX_EXPONENTIAL_SEARCH`` operands.
+    the network has more than ``search_limit`` operands.
 
     opt_einsum's ``memory_limit`` also bounds the final result, so when the result alone is
     larger than the limit it cannot say which orders keep the *intermediates* small; this
     search can. Candidates are costed with :func:`path_cost`, exactly as emitted.
     """
     n = len(network.operands)
-    if n > MAX_EXPONENTIAL_SEARCH or n < 2:
+    if n > search_limit or n < 2:
         return None
     labels = [frozenset(op.labels) for op in network.operands]
     output = frozenset(network.output)

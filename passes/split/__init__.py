@@ -43,14 +43,18 @@ from hlopass.sizes import format_size
 from .emit import LoopPlan
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
 
-#: Rewrite rounds per jaxpr level (each round splits non-overlapping regions).
-MAX_ROUNDS = 16
-#: An even chunk (dividing the axis) is preferred when at least this fraction of the largest that fits.
-EVEN_CHUNK_FRACTION = 0.8
-#: Times the split is redone with half the sizes while XLA's footprint is over the memory limit.
-MAX_RETRIES = 4
-#: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
-LIVE_BUDGET = 1
+@dataclasses.dataclass(frozen=True)
+class SplitOptions:
+    """Tuning of the split pass (``SplitPass(max_rounds=4)``)."""
+
+    #: Rewrite rounds per jaxpr level (each round splits non-overlapping regions).
+    max_rounds: int = 16
+    #: An even chunk (dividing the axis) is preferred when at least this fraction of the largest that fits.
+    even_chunk_fraction: float = 0.8
+    #: Times the split is redone with half the sizes while XLA's footprint is over the memory limit.
+    max_retries: int = 4
+    #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
+    live_budget: float = 1.0
 
 
 class SplitPass(Pass):
@@ -58,10 +62,11 @@ class SplitPass(Pass):
 
     With a memory limit, the split program is compiled and XLA's footprint checked (only when a
     crude upper bound exceeds the limit); while it is over, the split is redone with half the
-    threshold and split size, at most ``MAX_RETRIES`` times, and the report says what remains.
+    threshold and split size, at most ``options.max_retries`` times, and the report says what remains.
     """
 
     name = "split"
+    Options = SplitOptions
 
     def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
         new, report = super().run(closed, config)
@@ -71,7 +76,7 @@ class SplitPass(Pass):
         retries: list = []
         footprint = _footprint(new)
         current = config
-        while footprint > limit and len(retries) < MAX_RETRIES and current.split_size > 1:
+        while footprint > limit and len(retries) < self.options.max_retries and current.split_size > 1:
             smaller = dataclasses.replace(current, threshold=max(1, current.threshold // 2),
                                           split_size=max(1, current.split_size // 2))
             retries.append((current, smaller, footprint))
@@ -95,7 +100,7 @@ class SplitPass(Pass):
     def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
         if config.threshold is None or config.split_size is None:
             return closed
-        return split_level(closed, config, report)
+        return split_level(closed, config, report, self.options)
 
 
 @dataclasses.dataclass
@@ -113,16 +118,17 @@ class _Candidate:
                 self.region.size)
 
 
-def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
+def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
+                options: SplitOptions = SplitOptions()) -> core.ClosedJaxpr:
     """Split every splittable region of one jaxpr level; ``closed`` itself when nothing applies."""
     if not seeds(closed.jaxpr, config.threshold):
         return closed
     current = inline_custom_calls(closed)
     changed = False
-    for _ in range(MAX_ROUNDS):
+    for _ in range(options.max_rounds):
         jaxpr = current.jaxpr
         graph = DataflowGraph(jaxpr)
-        plans, failures = _plan_round(jaxpr, graph, config, report)
+        plans, failures = _plan_round(jaxpr, graph, config, report, options)
         if not plans:
             for seed, index, reason in failures:
                 _report_skip(report, jaxpr, seed, index, reason)
@@ -133,27 +139,27 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport) ->
     return current if changed else closed
 
 
-def _plan_round(jaxpr, graph, config: Config, report: PassReport):
+def _plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitOptions):
     plans: list[LoopPlan] = []
     failures: list[tuple[int, int, str]] = []  # (seed, blocking equation, reason)
     claimed: set[int] = set()
     for seed in reversed(seeds(jaxpr, config.threshold)):  # the last reducer covers the longest chain
         if seed in claimed:
             continue
-        candidate, why = _best_candidate(jaxpr, graph, seed, config)
+        candidate, why = _best_candidate(jaxpr, graph, seed, config, options)
         if candidate is None:
             failures.append(why)
             continue
         if candidate.region.eqns & claimed:
             continue  # overlaps a region split this round; looked at again next round
         claimed |= candidate.region.eqns
-        plan = _plan(jaxpr, graph, candidate, config, report)
+        plan = _plan(jaxpr, graph, candidate, config, report, options)
         plans.append(plan)
         _report_split(report, jaxpr, plan, candidate)
     return plans, failures
 
 
-def _best_candidate(jaxpr, graph, seed: int, config: Config):
+def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions):
     best, why = None, (seed, seed, "no splittable axis on the large operand")
     for label in seed_labels(jaxpr, seed, config.threshold):
         try:
@@ -161,7 +167,7 @@ def _best_candidate(jaxpr, graph, seed: int, config: Config):
         except Infeasible as err:
             why = (seed, err.eqn_index, f"cannot split the reduction at {_where(jaxpr, seed)}: {err.reason}")
             continue
-        candidate = _candidate(jaxpr, graph, region, config)
+        candidate = _candidate(jaxpr, graph, region, config, options)
         if candidate is None:
             why = (seed, seed, "the large operand is not computed here (an input or a value needed elsewhere)")
             continue
@@ -186,7 +192,7 @@ def _where(jaxpr, index: int) -> str:
     return f"{eqn.primitive.name} ({source_line(eqn)})"
 
 
-def _candidate(jaxpr, graph, region: SplitRegion, config: Config) -> _Candidate | None:
+def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: SplitOptions) -> _Candidate | None:
     outputs = set(region.outputs(jaxpr, graph))
     covered = sum(aval_nbytes(v.aval) for v in region.var_axis
                   if v not in outputs and aval_nbytes(v.aval) > config.split_size)
@@ -194,23 +200,23 @@ def _candidate(jaxpr, graph, region: SplitRegion, config: Config) -> _Candidate 
         return None
     per_unit = max(region.per_unit_bytes(jaxpr), 1)
     peak = max(region.peak_per_unit_bytes(jaxpr, graph), 1)
-    fits = min(config.split_size // per_unit, LIVE_BUDGET * config.split_size // peak)
+    fits = int(min(config.split_size // per_unit, options.live_budget * config.split_size // peak))
     need = region.min_chunk(jaxpr)
     if fits >= region.size:
         return None
     nested = fits < need
-    chunk = need if nested else choose_chunk(region.size, fits)
+    chunk = need if nested else choose_chunk(region.size, fits, options.even_chunk_fraction)
     if chunk >= region.size:
         return None
     return _Candidate(region, chunk, nested, covered, survives=not region.reducing, step_bytes=chunk * per_unit)
 
 
-def choose_chunk(size: int, fits: int) -> int:
+def choose_chunk(size: int, fits: int, even_fraction: float = SplitOptions.even_chunk_fraction) -> int:
     """Chunk length along an axis of ``size`` when at most ``fits`` fit: an even divisor of ``size``
-    if one is at least ``EVEN_CHUNK_FRACTION`` of ``fits``, else ``size`` spread over as few
+    if one is at least ``even_fraction`` of ``fits``, else ``size`` spread over as few
     iterations as possible (the last one shorter)."""
     divisor = max((d for d in _divisors(size) if d <= fits), default=1)
-    if divisor >= EVEN_CHUNK_FRACTION * fits:
+    if divisor >= even_fraction * fits:
         return divisor
     iterations = -(-size // fits)
     return -(-size // iterations)
@@ -221,12 +227,13 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in small]
 
 
-def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassReport) -> LoopPlan:
+def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassReport,
+          options: SplitOptions) -> LoopPlan:
     region = candidate.region
     plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk)
     if candidate.nested:
         inner = dataclasses.replace(config, threshold=config.split_size)
-        plan.refine_step = lambda step: split_level(step, inner, report)
+        plan.refine_step = lambda step: split_level(step, inner, report, options)
     return plan
 
 

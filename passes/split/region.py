@@ -32,20 +32,17 @@ from jax._src import core
 
 from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes
-from hlopass.families import ELEMENTWISE
+from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 
 from .rules import DimMap, dim_map
 
 #: Primitives a region may start from.
-SEED_PRIMITIVES = frozenset({"dot_general", "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                             "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "top_k",
-                             "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+SEED_PRIMITIVES = frozenset({"dot_general", "top_k", *REDUCTIONS, *ARG_REDUCTIONS, *CUMULATIVE})
 
 
 #: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
 FUSIBLE_PRODUCERS = ELEMENTWISE | {"broadcast_in_dim", "iota", "transpose", "reshape", "squeeze"}
-FUSING_CONSUMERS = ELEMENTWISE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                                  "reduce_or", "broadcast_in_dim", "argmax", "argmin"}
+FUSING_CONSUMERS = ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | {"broadcast_in_dim"}
 
 
 class Infeasible(Exception):
@@ -160,7 +157,7 @@ def seeds(jaxpr: core.Jaxpr, threshold: int) -> list[int]:
         if largest <= threshold:
             continue
         out = max(aval_nbytes(v.aval) for v in eqn.outvars)
-        if eqn.primitive.name.startswith("cum") or out <= threshold or 2 * out <= largest:
+        if eqn.primitive.name in CUMULATIVE or out <= threshold or 2 * out <= largest:
             found.append(i)
     return found
 

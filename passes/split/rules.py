@@ -23,6 +23,8 @@ from typing import Callable, Hashable
 
 from jax._src import core
 
+from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS, dot_general_labels
+
 Label = Hashable
 
 
@@ -56,22 +58,9 @@ def _shape(atom) -> tuple[int, ...]:
     return tuple(getattr(atom.aval, "shape", ()))
 
 
-#: Elementwise primitives (numpy broadcasting of size-1 dims and scalars allowed).
-ELEMENTWISE = frozenset("""
-    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type copy copy_p
-    cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma igammac imag integer_pow
-    is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or population_count pow
-    real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
-    sign sin sinh sqrt square stop_gradient sub tan tanh xor clz optimization_barrier
-""".split())
-
-#: Reductions over ``axes`` and the monoid that combines their partial results.
-REDUCTIONS = {"reduce_sum": "add", "reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul",
-              "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor"}
-
-#: Primitives that keep every dimension but one, along which they are not splittable.
-ALONG_AXIS = {"cumsum": "axis", "cumprod": "axis", "cummax": "axis", "cummin": "axis",
-              "cumlogsumexp": "axis", "sort": "dimension"}
+#: Primitives that keep every dimension but one (the parameter named here), along which they
+#: are not splittable.
+ALONG_AXIS = {**{name: "axis" for name in CUMULATIVE}, "sort": "dimension"}
 
 
 def _elementwise(eqn) -> DimMap:
@@ -115,22 +104,10 @@ def _reduction(eqn) -> DimMap:
 
 
 def _dot_general(eqn) -> DimMap:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
-    lhs = [None] * lhs_rank
-    rhs = [None] * rhs_rank
-    for k, (l, r) in enumerate(zip(lb, rb)):
-        lhs[l] = rhs[r] = ("batch", k)
-    for k, (l, r) in enumerate(zip(lc, rc)):
-        lhs[l] = rhs[r] = ("contract", k)
-    lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
-    rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
-    for d in lhs_free:
-        lhs[d] = ("lhs", d)
-    for d in rhs_free:
-        rhs[d] = ("rhs", d)
-    out = [("batch", k) for k in range(len(lb))] + [("lhs", d) for d in lhs_free] + [("rhs", d) for d in rhs_free]
-    return DimMap([lhs, rhs], [out], {("contract", k): "add" for k in range(len(lc))})
+    lhs, rhs, out = dot_general_labels(eqn.params["dimension_numbers"], len(_shape(eqn.invars[0])),
+                                       len(_shape(eqn.invars[1])))
+    contracted = {label for label in lhs if label[0] == "contract"}
+    return DimMap([lhs, rhs], [out], {label: "add" for label in contracted})
 
 
 def _reshape(eqn) -> DimMap:
@@ -211,7 +188,7 @@ def _rev(eqn) -> DimMap:
 
 AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
     **{name: _elementwise for name in ELEMENTWISE},
-    **{name: _reduction for name in (*REDUCTIONS, "argmax", "argmin")},
+    **{name: _reduction for name in (*REDUCTIONS, *ARG_REDUCTIONS)},
     **{name: _along_axis for name in ALONG_AXIS},
     "broadcast_in_dim": _broadcast_in_dim,
     "iota": _iota,
@@ -281,5 +258,3 @@ def combine(monoid: str, acc, part):
            "and": lax.bitwise_and, "or": lax.bitwise_or, "xor": lax.bitwise_xor}
     return ops[monoid](acc, part)
 
-
-ELEMENTWISE_MONOIDS = ("add", "mul", "max", "min", "and", "or", "xor")
