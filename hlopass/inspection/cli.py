@@ -2,6 +2,7 @@
 
     hlopass-dump FILE_OR_MODULE:FUNCTION --arg f32[1000,3] --arg f32[1000,3] \
         [--threshold SIZE] [--split-size SIZE] [--memory-limit SIZE] [--passes LIST] [--out DIR]
+        [--format svg|png] [--explorer DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from hlopass.errors import ConfigError
+from hlopass.inspection import explorer
 
 DTYPES = {
     "f16": jnp.float16, "bf16": jnp.bfloat16, "f32": jnp.float32, "f64": jnp.float64,
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-compile", action="store_true", help="skip XLA compilation (no memory figures)")
     parser.add_argument("--format", choices=["text", "svg", "png"], default="text",
                         help="also draw pictures of the graph and memory (needs the 'plot' extra)")
+    parser.add_argument("--explorer", metavar="DIR", default=None,
+                        help="write the StableHLO before and after, with node data (bytes, rewriting pass, split "
+                             "chunk), for Google's Model Explorer to DIR (needs the 'explorer' extra)")
     return parser
 
 
@@ -101,6 +106,9 @@ def main(argv=None) -> int:
         from hlopass.inspection.dump import dump_explanation
         from hlopass.inspection.explanation import explain
 
+        if options.explorer:
+            explorer.require_model_explorer()
+            explorer.prepare_folder(options.explorer)
         specs = [parse_arg_spec(s) for s in options.arg]
         fun = load_function(options.target)
         settings = {k: v for k, v in dict(threshold=options.threshold, split_size=options.split_size,
@@ -111,7 +119,7 @@ def main(argv=None) -> int:
         else:
             function = hlopass_jit(fun, **settings)
         explanation = explain(function, *specs, compile=not options.no_compile)
-    except (UsageError, ConfigError) as err:
+    except (UsageError, ConfigError, explorer.ExplorerError) as err:
         print(f"hlopass-dump: error: {err}", file=sys.stderr)
         return 2
     except TypeError as err:
@@ -129,6 +137,14 @@ def main(argv=None) -> int:
                 print(f"hlopass-dump: pictures need the 'plot' extra (pip install hlopass[plot]): {err}",
                       file=sys.stderr)
         print(f"dump written to {folder}")
+    if options.explorer:
+        try:
+            explorer.write_explorer(options.explorer, function, *specs, config=explanation.config)
+        except explorer.ExplorerError as err:
+            print(f"hlopass-dump: error: {err}", file=sys.stderr)
+            return 2
+        print(f"Model Explorer files written to {options.explorer}; open them with: "
+              f"{explorer.open_command(options.explorer)}")
     return 0
 
 
