@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -141,7 +142,7 @@ def module_nodes(module_text: str, split_loops: list[Rewrite] = ()) -> list[OpNo
             for k, argument in enumerate(function.regions[0].blocks[0].arguments):
                 nodes.append(OpNode(name, f"arg{k}", f"input_{k}", tensor_nbytes(str(argument.type)), "<unknown>",
                                     loop))
-            counter = iter(range(sys.maxsize))
+            counter = itertools.count()
             for op in function.regions[0].blocks[0].operations:
                 visit_op(op.operation, name, counter, loop)
 
