@@ -21,52 +21,50 @@ Two ways in, for the two ways of using hlopass:
   the :meth:`~hlopass.Pass.before_linearize` hook (:mod:`.regions`) finds each inner-gradient
   region in the primal jaxpr and replaces it before JAX linearises it.
 
-This pass then finds the replaced regions in the jaxpr (by their named
-scope) and reports each with the inner loss's source line; the jaxpr itself
-is returned unchanged.
+Both record what they replaced (``fwdrev_hvp``, with the inner loss's source
+line) and what they left alone (``skip``, with the reason) as notes, which
+travel with the program to this pass's report; at lowering time the pass
+has nothing left to do and returns the jaxpr unchanged.
 
 Leaves alone: programs without inner gradients, first-order gradients and
-forward-mode derivatives.
+forward-mode derivatives; inner losses that call a ``custom_vjp`` (forward
+mode cannot differentiate them) and, in form 2, regions whose parameter
+cannot be told apart from a same-typed input (both reported as skips).
 """
 
 from __future__ import annotations
 
 from jax._src import core
 
-from hlopass.jaxpr_utils import iter_eqns
 from hlopass.pass_base import Pass
-from hlopass.report import PassReport, source_line
+from hlopass.report import Note, PassReport
 
 from .regions import linearize_hook
-from .trace import RECORDS, intercept_gradients, scopes_in
+from .trace import intercept_gradients
 
 
 class HvpPass(Pass):
-    """Report the forward-over-reverse replacements of inner gradients (see the module docstring)."""
+    """Inner gradients differentiated again become forward-over-reverse (see the module docstring)."""
 
     name = "hvp"
     recursive = False
 
     def run_level(self, closed: core.ClosedJaxpr, config, report: PassReport) -> core.ClosedJaxpr:
-        seen: dict[str, core.JaxprEqn] = {}
-        for eqn in iter_eqns(closed):
-            for scope in scopes_in(eqn.source_info.name_stack):
-                seen.setdefault(scope, eqn)
-        for scope, eqn in seen.items():
-            record = RECORDS.get(scope)
-            loss = record.loss if record else source_line(eqn)
-            where = record.call_site if record else source_line(eqn)
-            report.rewrite("fwdrev_hvp", where,
-                           f"gradient of {loss} differentiated again: Hessian products taken "
-                           f"forward-over-reverse (inner backward activations not kept)",
-                           scope=scope, loss=loss, transform=record.transform if record else "region")
+        """Nothing: the replacements were made while tracing or before linearising, and their notes
+        are this pass's report."""
         return closed
 
-    def trace_context(self, config, notes):
+    def trace_context(self, config, notes: list[Note]):
         """Inner gradients under an outer gradient become forward-over-reverse while tracing."""
-        return intercept_gradients(config)
+        return intercept_gradients(notes)
 
-    def before_linearize(self, closed, config, notes):
-        """Inner-gradient regions of a program JAX is about to differentiate become forward-over-reverse."""
-        return linearize_hook(closed, config)
+    def before_linearize(self, closed, config, notes: list[Note]):
+        """Inner-gradient regions of a program JAX is about to differentiate become forward-over-reverse.
 
+        Its notes are added only once the whole rewrite has succeeded (if it raises, the pipeline
+        keeps the program as it was and says so).
+        """
+        found: list[Note] = []
+        new = linearize_hook(closed, config, found)
+        notes.extend(found)
+        return new

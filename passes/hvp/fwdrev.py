@@ -13,6 +13,10 @@ saves only the loss's inputs.
 Values the loss closes over that may carry derivatives (tracers of an outer
 transformation) are hoisted into explicit inputs with ``jax.closure_convert``
 so that they receive their cotangents too.
+
+Both ways into the pass (:mod:`.trace`, :mod:`.regions`) trace their
+replacements under the named scope :data:`SCOPE` and report them with
+:func:`add_note`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from hlopass.jaxpr_utils import iter_eqns, subjaxprs
+from hlopass.report import Note
+
+#: The named scope every replacement is traced under (visible in the jaxpr's name stacks and
+#: in the HLO's op names).
+SCOPE = "hlopass_hvp"
+
+
+def add_note(notes: list[Note], note: Note) -> None:
+    """Append ``note`` unless an equal one is there: one note per place, kind and reason
+    (a gradient traced twice, or called at one line in a Python loop, is one finding)."""
+    if note not in notes:
+        notes.append(note)
 
 
 _machinery = threading.local()
@@ -38,7 +54,8 @@ def in_machinery() -> bool:
 
 
 @contextlib.contextmanager
-def _own_derivatives():
+def own_derivatives():
+    """Mark the derivatives taken inside as this pass's machinery: the interception leaves them alone."""
     _machinery.depth = getattr(_machinery, "depth", 0) + 1
     try:
         yield
@@ -128,7 +145,7 @@ def _fwdrev_call(converted: Callable, num_args: int, positions, has_aux: bool):
         return converted(*flat[:num_args], *flat[num_args:])
 
     def value_aux_grads(*flat):
-        with _own_derivatives():
+        with own_derivatives():
             return _value_aux_grads(*flat)
 
     def _value_aux_grads(*flat):
@@ -157,7 +174,7 @@ def _fwdrev_call(converted: Callable, num_args: int, positions, has_aux: bool):
         total: list[Any] = [None] * len(values)
         if not wanted:
             return tuple(total)
-        with _own_derivatives():
+        with own_derivatives():
             _accumulate(total, wanted, _hvp(call_loss, values, wanted, param_positions, ct_grads))
             _accumulate(total, wanted, _first_order(call_loss, values, wanted, ct_value, ct_aux, has_aux))
         return tuple(total)
@@ -218,4 +235,5 @@ def _first_order(call_loss, values, wanted, ct_value, ct_aux, has_aux):
     return vjp((ct_value, ct_aux))
 
 
-__all__ = ["forward_differentiable", "fwdrev_grad", "fwdrev_value_and_grad", "in_machinery"]
+__all__ = ["SCOPE", "add_note", "forward_differentiable", "fwdrev_grad", "fwdrev_value_and_grad", "in_machinery",
+           "own_derivatives"]

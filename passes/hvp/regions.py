@@ -17,17 +17,31 @@ replaced by one ``jax.custom_vjp`` call:
   other differentiable inputs u (meta-parameters, loss weights), ``jax.jvp``
   of the gradient of the loss with respect to u (the loss rebuilt from the
   forward run, see :func:`_loss_function`), in the same direction: the mixed
-  second derivatives ``d2L/du dtheta . ct``. The loss is trusted only if
-  ``jax.grad`` of it transposes the same operations as the region does (a
-  custom_jvp rule inside it, say, would not); otherwise those products come
-  from a local VJP of the region (correct, recomputed in the backward rule,
-  but not forward-over-reverse).
+  second derivatives ``d2L/du dtheta . ct``.
+
+Both rest on the region being the derivative of its loss, which is
+checked: ``jax.grad`` of the rebuilt loss must transpose the same operations
+as the region does. When it does not (a ``custom_jvp`` rule inside the loss
+changes the backward run) or no loss can be singled out, the mixed products
+come from a local VJP of the region (exact, recomputed in the backward
+rule), while the parameters' ``H ct`` is still the jvp: custom_jvp rules are
+trusted to be derivatives, as :mod:`.trace` trusts them. A ``custom_vjp``
+rule is not trusted (a hand-written backward pass need not be the
+derivative of anything, and then its Jacobian is not symmetric): once the
+user's ``jax.grad`` has run it leaves no primitive, only equations whose
+tracebacks pass through JAX's ``process_custom_vjp_call``; a region with
+such equations (or without tracebacks) and no verified loss gets a local
+VJP for every input (reported as ``recomputed_hvp``).
 
 A gradient output is matched to the parameter it differentiates by type:
 the region input with the same shape and dtype that the loss reads. When
 several inputs qualify, the one for which ``jax.grad`` of the rebuilt loss
 transposes the same operations as the region does is taken; when that does
 not single one out either, the region is left alone (it would be a guess).
+
+Each replaced region becomes a ``fwdrev_hvp`` (or ``recomputed_hvp``) note,
+each region left alone a ``skip`` note with the reason, all at the inner
+loss's source line; the notes travel with the program to the pass's report.
 """
 
 from __future__ import annotations
@@ -42,15 +56,13 @@ from jax._src.interpreters import partial_eval as pe
 from jax.custom_derivatives import SymbolicZero
 
 from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
-from hlopass.jaxpr_utils import iter_eqns
-from hlopass.report import source_line
+from hlopass.families import CUSTOM_DERIVATIVE_CALLS
+from hlopass.jaxpr_utils import iter_eqns, subjaxprs
+from hlopass.report import Note, source_line
 
-from .fwdrev import forward_differentiable
-from .trace import RECORDS, Record, new_scope
+from .fwdrev import SCOPE, add_note, forward_differentiable, own_derivatives
 
 FORWARD, BACKWARD = "forward", "backward"
-#: Why regions were left alone in the most recent hook calls (for tests and debugging).
-SKIPPED: list[str] = []
 
 
 def _transforms(eqn) -> list[str]:
@@ -136,9 +148,10 @@ class RegionPlan:
     grads: list[core.Var]
     params: list[int]  # for each gradient, the index of its parameter in ``inputs``
     value: core.Var | None  # the loss value, when the program uses it
-    loss: core.Var | None  # the loss value var (used or not), if identified
+    loss: core.Var | None  # the loss value var (used or not), if the region provably derives from it
     extras: list[core.Var]  # other values of the inner forward pass used outside (aux outputs)
     location: str
+    symmetric: bool = True  # whether the Hessian products may be taken forward-over-reverse
 
 
 def plan_region(jaxpr: core.Jaxpr, region: GradRegion) -> RegionPlan | str:
@@ -182,13 +195,29 @@ def plan_region(jaxpr: core.Jaxpr, region: GradRegion) -> RegionPlan | str:
         params.append(matches[0])
     if len(set(params)) != len(params):
         return "two gradients match the same input"
-    if loss is not None and not _derives_region(jaxpr, region, inputs, loss, params):
-        # not provably the loss (or it holds custom_jvp rules): no mixed products from it
-        loss = None
-        value = None
-        extras = forward_out
+    verified = [v for v in losses if _derives_region(jaxpr, region, inputs, v, params)]
+    # the loss is the one candidate that jax.grad re-derives the region from; none (a custom_jvp or
+    # custom_vjp rule inside, say) means the Hessian's symmetry is not established either
+    loss = verified[0] if len(verified) == 1 else None
+    value = loss if loss is not None and loss in forward_out else None
+    extras = [v for v in forward_out if v is not value]
+    symmetric = loss is not None or not _may_hold_custom_vjp(eqns)
     anchor = jaxpr.eqns[region.forward[0]]
-    return RegionPlan(region, inputs, grads, params, value, loss, extras, source_line(anchor))
+    return RegionPlan(region, inputs, grads, params, value, loss, extras, source_line(anchor), symmetric)
+
+
+def _may_hold_custom_vjp(eqns) -> bool:
+    """Whether a hand-written VJP (a ``custom_vjp`` rule) may have produced some of ``eqns``.
+
+    Once the user's ``jax.grad`` has run, a ``custom_vjp`` leaves no primitive
+    behind, only its rules' equations, whose tracebacks pass through JAX's
+    ``process_custom_vjp_call``. An equation without a traceback may be one too.
+    """
+    for eqn in eqns:
+        traceback = eqn.source_info.traceback
+        if traceback is None or any("process_custom_vjp_call" in frame.function_name for frame in traceback.frames):
+            return True
+    return False
 
 
 def _backward_signature(eqns) -> list[str]:
@@ -268,11 +297,13 @@ def _zero(ct) -> bool:
 
 
 def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, extras_fn: Callable | None, params: list[int],
-                  num_inputs: int, has_value: bool) -> Callable:
+                  num_inputs: int, has_value: bool, symmetric: bool = True) -> Callable:
     """A custom_vjp function ``(*inputs) -> (*grads[, value], *extras)`` with a forward-over-reverse VJP.
 
     ``extras`` (other values of the inner forward pass the program uses, such
     as ``has_aux`` outputs) get an ordinary, local VJP through ``extras_fn``.
+    Without ``symmetric`` the gradients' cotangents get a local VJP too (see
+    :func:`_hessian_products`).
     """
     num_grads = len(params)
     first_extra = num_grads + int(has_value)
@@ -288,6 +319,10 @@ def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, extras_fn: Call
         return outs, (values, perturbed, outs)
 
     def bwd(residuals, cts):
+        with own_derivatives():
+            return _bwd(residuals, cts)
+
+    def _bwd(residuals, cts):
         values, perturbed, outs = residuals
         ct_grads = list(cts[:num_grads])
         ct_value = cts[num_grads] if has_value else None
@@ -295,7 +330,8 @@ def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, extras_fn: Call
         others = [i for i in range(num_inputs) if perturbed[i] and i not in params]
         directions = [(k, p) for k, p in enumerate(params) if not _zero(ct_grads[k])]
         if directions:
-            _add(total, _hessian_products(region_fn, loss_fn, values, params, others, directions, ct_grads,
+            _add(total, _hessian_products(region_fn, loss_fn, symmetric, values, params,
+                                          others, directions, ct_grads,
                                           num_grads))
         if has_value and not _zero(ct_value):
             for k, p in enumerate(params):
@@ -323,8 +359,27 @@ def _replace(values, positions, new):
     return full
 
 
-def _hessian_products(region_fn, loss_fn, values, params, others, directions, ct_grads, num_grads) -> dict:
-    """``H ct`` for the parameters (jvp of the region) and the mixed products for ``others``."""
+def _hessian_products(region_fn, loss_fn, symmetric, values, params, others, directions, ct_grads,
+                      num_grads) -> dict:
+    """The inputs' cotangents from the gradients' cotangents ``ct_grads``.
+
+    When the region's Jacobian is ``symmetric`` (a Hessian): ``H ct`` for the
+    parameters as a jvp of the region, and for ``others`` the mixed products
+    as a jvp of the gradient of the loss (``loss_fn``) in them, or a local
+    VJP of the region without one. Otherwise (a hand-written VJP inside may
+    make the "gradient" no gradient of anything) a local VJP of the region
+    for all of them: exact, recomputed here, nothing of the inner backward
+    pass kept.
+    """
+    full_cts = tuple(ct if not _zero(ct) else jnp.zeros_like(values[params[k]]) for k, ct in enumerate(ct_grads))
+
+    def local_vjp(wanted):
+        _, pullback = jax.vjp(lambda *o: tuple(region_fn(*_replace(values, wanted, o))[:num_grads]),
+                              *(values[i] for i in wanted))
+        return dict(zip(wanted, pullback(full_cts)))
+
+    if not symmetric:
+        return local_vjp([*params, *others])
     moved = [p for _, p in directions]
     tangents = tuple(ct_grads[k] for k, _ in directions)
     primals = tuple(values[p] for p in moved)
@@ -338,20 +393,16 @@ def _hessian_products(region_fn, loss_fn, values, params, others, directions, ct
         result[p] = hvp[k]
     if not others:
         return result
-    if loss_fn is not None:
-        def other_grads_at(*new):
-            at = _replace(values, moved, new)
-            return jax.grad(lambda *o: loss_fn(*_replace(at, others, o)),
-                            argnums=tuple(range(len(others))))(*(at[i] for i in others))
-        _, mixed = jax.jvp(other_grads_at, primals, tangents)
-    else:
-        full_cts = tuple(ct if not _zero(ct) else jnp.zeros_like(values[params[k]])
-                         for k, ct in enumerate(ct_grads))
-        _, pullback = jax.vjp(lambda *o: tuple(region_fn(*_replace(values, others, o))[:num_grads]),
-                              *(values[i] for i in others))
-        mixed = pullback(full_cts)
-    for i, ct in zip(others, mixed):
-        result[i] = ct
+    if loss_fn is None:
+        result.update(local_vjp(others))
+        return result
+
+    def other_grads_at(*new):
+        at = _replace(values, moved, new)
+        return jax.grad(lambda *o: loss_fn(*_replace(at, others, o)),
+                        argnums=tuple(range(len(others))))(*(at[i] for i in others))
+    _, mixed = jax.jvp(other_grads_at, primals, tangents)
+    result.update(zip(others, mixed))
     return result
 
 
@@ -380,19 +431,21 @@ def _replacement(jaxpr: core.Jaxpr, plan: RegionPlan) -> Replacement:
     loss_fn = _loss_function(jaxpr, plan)
     extras_fn = _as_function([jaxpr.eqns[i] for i in plan.region.forward], plan.inputs, plan.extras) \
         if plan.extras else None
-    call = fwdrev_region(region_fn, loss_fn, extras_fn, plan.params, len(plan.inputs), plan.value is not None)
-    scope = new_scope()
-    RECORDS[scope] = Record(scope, "grad region", plan.location, plan.location)
+    call = fwdrev_region(region_fn, loss_fn, extras_fn, plan.params, len(plan.inputs), plan.value is not None,
+                         plan.symmetric)
 
     def build(*inputs):
-        with jax.named_scope(scope):
+        with jax.named_scope(SCOPE):
             return list(call(*inputs))
 
     return Replacement(plan.region.eqns, plan.inputs, outputs, build, anchor=plan.region.forward[0])
 
 
-def rewrite_level(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
-    """Replace every inner-gradient region of one jaxpr level (the same object if there is none)."""
+def rewrite_level(closed: core.ClosedJaxpr, notes: list[Note]) -> core.ClosedJaxpr:
+    """Replace every inner-gradient region of one jaxpr level (the same object if there is none).
+
+    Appends a note for each region, replaced or left alone.
+    """
     if not any(_role(eqn) == BACKWARD for eqn in iter_eqns(closed)):
         return closed
     flat = inline_calls(closed)
@@ -400,17 +453,60 @@ def rewrite_level(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     for region in find_regions(flat.jaxpr):
         plan = plan_region(flat.jaxpr, region)
         if isinstance(plan, str):
-            SKIPPED.append(f"{source_line(flat.jaxpr.eqns[region.forward[0]])}: {plan}")
+            add_note(notes, Note("hvp", "skip", source_line(flat.jaxpr.eqns[region.forward[0]]),
+                                 f"{plan} (Hessian products left reverse-over-reverse)", "inner gradient"))
             continue
         replacements.append(_replacement(flat.jaxpr, plan))
+        if plan.symmetric:
+            add_note(notes, Note("hvp", "fwdrev_hvp", plan.location,
+                                 f"gradient of the inner loss at {plan.location} differentiated again: Hessian "
+                                 f"products taken forward-over-reverse (inner backward activations not kept)"))
+        else:
+            add_note(notes, Note("hvp", "recomputed_hvp", plan.location,
+                                 f"gradient of the inner loss at {plan.location} differentiated again: its backward "
+                                 f"run may hold a custom_vjp rule (not provably the derivative of its loss), so "
+                                 f"its Hessian products are recomputed reverse-over-reverse in the backward pass "
+                                 f"(inner backward activations not kept)"))
     if not replacements:
         return closed
     return rewrite(flat, replacements, name="hvp")
 
 
-def linearize_hook(jaxpr: core.ClosedJaxpr, config) -> core.ClosedJaxpr:
-    """Before JAX linearises a ``hlopass_call``: give its inner gradients forward-over-reverse VJPs."""
-    del SKIPPED[:-32]
+def _bodies_not_differentiated(closed: core.ClosedJaxpr) -> set[int]:
+    """``id`` of every jaxpr (at any depth) inside a ``custom_jvp``/``custom_vjp`` body or a nested
+    ``hlopass_call``: JAX differentiates the former by their rules, never their bodies (so a gradient
+    there is never differentiated again), and the latter by their own linearisation, which runs
+    this hook on them with their own notes."""
+    found: set[int] = set()
+
+    def mark(jaxpr: core.Jaxpr) -> None:
+        found.add(id(jaxpr))
+        for eqn in jaxpr.eqns:
+            for sub in subjaxprs(eqn):
+                mark(sub)
+
+    for eqn in iter_eqns(closed):
+        if eqn.primitive.name in CUSTOM_DERIVATIVE_CALLS or eqn.primitive.name == "hlopass_call":
+            for sub in subjaxprs(eqn):
+                mark(sub)
+    return found
+
+
+def linearize_hook(jaxpr: core.ClosedJaxpr, config=None, notes: list[Note] | None = None) -> core.ClosedJaxpr:
+    """Before JAX linearises a ``hlopass_call``: give its inner gradients forward-over-reverse VJPs.
+
+    Returns ``jaxpr`` itself when it has no inner gradient; what was replaced
+    or left alone is appended to ``notes``. Gradients inside ``custom_jvp``/``custom_vjp``
+    bodies (the trace-time replacements among them) and nested ``hlopass_call`` s are left to
+    their own rules.
+    """
+    notes = [] if notes is None else notes
     if not any(_role(eqn) == BACKWARD for eqn in iter_eqns(jaxpr)):
         return jaxpr
-    return rewrite_nested(jaxpr, rewrite_level)
+    skipped = _bodies_not_differentiated(jaxpr)
+
+    def level(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+        return closed if id(closed.jaxpr) in skipped else rewrite_level(closed, notes)
+
+    with own_derivatives():  # the analysis's own jax.grad calls are not the user's
+        return rewrite_nested(jaxpr, level)

@@ -22,60 +22,73 @@ reverse mode:
   ``jax.linearize``) reset the depth, since a ``custom_vjp`` cannot be
   differentiated in forward mode; so do losses that contain a ``custom_vjp``.
 
-Only the thread that is tracing is affected. Each replacement is traced
-under a named scope ``hlopass_hvp_<n>``; the pass finds these scopes in the
-jaxpr and reports them with the inner loss's source line (:data:`RECORDS`).
+Only the thread that is tracing is affected. What was done goes into the
+``notes`` list the context was given (one :class:`~hlopass.report.Note` per
+call site: ``fwdrev_hvp`` with the inner loss's source line, or ``skip``
+with the reason), which travels with the traced program to the pass's
+report. Replacements are traced under the named scope :data:`.fwdrev.SCOPE`.
+
+Functions that JAX caches by their trace (``jax.jit``, ``lax.scan`` and
+``jax.checkpoint`` bodies) are traced afresh: the context sets a JAX user
+context (``jax.make_user_context``, part of every such cache key) to a token
+of this trace and its depth. So a ``jax.jit(jax.grad(loss))`` traced before
+hlopass is traced again under the interception, and what it traces there
+(custom_vjp replacements included) never reaches plain ``jax.jit`` calls
+made outside hlopass.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
-import itertools
 import os
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax._src import api as jax_api
 from jax._src import core
 
-from .fwdrev import forward_differentiable, fwdrev_value_and_grad, in_machinery
+from hlopass import report
+from hlopass.report import Note
 
-SCOPE_PREFIX = "hlopass_hvp_"
+from .fwdrev import SCOPE, add_note, forward_differentiable, fwdrev_value_and_grad, in_machinery
 
+#: Part of the key of JAX's trace caches (``jax.jit``, ``lax.scan`` bodies...): ``None`` outside
+#: the interception, ``(token of this trace, nested?)`` inside it. Created once, at import, as
+#: ``jax.make_user_context`` asks.
+_TRACE_KEY = jax.make_user_context(default_value=None)
 
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """One inner gradient replaced at trace time."""
-
-    scope: str
-    transform: str
-    loss: str  # the inner loss function: ``file.py:LINE (name)``
-    call_site: str  # where the gradient function was called
-
-
-#: scope name -> what was replaced there
-RECORDS: dict[str, Record] = {}
-_counter = itertools.count()
+#: Per thread: ``tracing`` (the :class:`_Tracing` in force, or absent) and ``depth`` (how many
+#: reverse-mode differentiations the current code is nested in).
 _state = threading.local()
+
+# The installation of the patched entry points, shared by all threads while any of them traces.
 _lock = threading.Lock()
 _active = 0
-_originals: dict[str, Callable] = {}
 _saved: list = []
+_originals: dict[str, Callable] = {}
 
 
-def new_scope() -> str:
-    """A fresh ``hlopass_hvp_<n>`` scope name."""
-    return f"{SCOPE_PREFIX}{next(_counter)}"
+class _Tracing:
+    """One use of :func:`intercept_gradients`: where its notes go, and its cache-key token."""
+
+    __slots__ = ("notes", "token")
+
+    def __init__(self, notes: list[Note]):
+        self.notes = notes
+        self.token = object()  # compared by identity: no other trace shares JAX's cache entries
+
+
+def _tracing() -> _Tracing | None:
+    """The interception this thread is tracing under (other threads are not touched)."""
+    return getattr(_state, "tracing", None)
 
 
 def _enabled() -> bool:
-    """Whether this thread is tracing under :func:`intercept_gradients` (other threads are not touched)."""
-    return getattr(_state, "enabled", 0) > 0
+    return _tracing() is not None
 
 
 def _depth() -> int:
@@ -86,8 +99,10 @@ def _depth() -> int:
 def _at_depth(depth: int):
     saved = _depth()
     _state.depth = depth
+    tracing = _tracing()
     try:
-        yield
+        with _TRACE_KEY(None if tracing is None else (tracing.token, depth > 0)):
+            yield
     finally:
         _state.depth = saved
 
@@ -124,11 +139,16 @@ def _describe_function(fun: Callable) -> str:
     return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno} ({code.co_name})"
 
 
+#: Frames from these folders (this package, the engine) are never the user's call site.
+_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+             os.path.dirname(os.path.abspath(report.__file__)) + os.sep)
+
+
 def _call_site() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
+    """``file.py:LINE (function)`` of the user code that called the gradient being replaced."""
     for frame in inspect.stack(context=0)[2:]:
         path = os.path.abspath(frame.filename)
-        if not path.startswith(here) and f"{os.sep}jax{os.sep}" not in path:
+        if not path.startswith(_OWN_DIRS) and f"{os.sep}jax{os.sep}" not in path:
             return f"{os.path.basename(path)}:{frame.lineno} ({frame.function})"
     return "<unknown>"
 
@@ -147,20 +167,22 @@ def _float_leaves(tree) -> bool:
     return bool(leaves) and all(jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves)
 
 
-def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
-    """``jax.vjp(fun, *primals)`` whose pullback's own VJP is forward-over-reverse.
+def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool, notes: list[Note]):
+    """``jax.vjp(fun, *primals)`` whose pullback's own VJP is forward-over-reverse, or ``None``.
 
     The pullback at cotangent ``ct`` is the gradient of the scalar
     ``<ct, fun(primals)>`` with respect to the primals, taken by
     :func:`fwdrev_value_and_grad` (``ct`` is one of its inputs, so it gets
     its cotangent, ``J dprimals``, too). ``jax.grad`` calls it with ``ct = 1``.
+    A loss that forward mode cannot differentiate (it calls a ``custom_vjp``)
+    gets JAX's own pullback and a skip note. ``None`` when ``fun``'s result is
+    not floating point.
     """
     out = _nested(fun)(*primals)
     ans, aux = out if has_aux else (out, None)
     if not _float_leaves(ans):
         return None
-    scope = new_scope()
-    record = Record(scope, "vjp", _describe_function(_user_function(fun)), _call_site())
+    loss, site = _describe_function(_user_function(fun)), _call_site()
 
     def seeded(prims, ct):
         value = fun(*prims)
@@ -173,10 +195,16 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
         # by closure_convert) must not be intercepted again
         with _at_depth(0):
             if not forward_differentiable(jax.make_jaxpr(seeded)(tuple(primals), ct).jaxpr.eqns):
+                add_note(notes, Note("hvp", "skip", site,
+                                     f"the inner loss {loss} calls a custom_vjp function, which forward mode "
+                                     f"cannot differentiate (Hessian products left reverse-over-reverse)",
+                                     "inner gradient"))
                 return _originals["vjp"](fun, *primals, has_aux=has_aux)[1](ct)
-            RECORDS[scope] = record
-            with jax.named_scope(scope):
+            with jax.named_scope(SCOPE):
                 _, grads = fwdrev_value_and_grad(seeded, argnums=0)(tuple(primals), ct)
+        add_note(notes, Note("hvp", "fwdrev_hvp", site,
+                             f"gradient of {loss} differentiated again: Hessian products taken "
+                             f"forward-over-reverse (inner backward activations not kept)"))
         return tuple(grads)
 
     return (ans, pullback, aux) if has_aux else (ans, pullback)
@@ -184,10 +212,11 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool):
 
 def _patched_vjp(fun, *primals, has_aux=False, **kwargs):
     original = _originals["vjp"]
-    if in_machinery() or not _enabled():
+    tracing = _tracing()
+    if in_machinery() or tracing is None:
         return original(fun, *primals, has_aux=has_aux, **kwargs)
     if _depth() > 0 and not kwargs and _has_tracer(primals) and _float_leaves(primals):
-        result = _fwdrev_vjp(fun, primals, has_aux)
+        result = _fwdrev_vjp(fun, primals, has_aux, tracing.notes)
         if result is not None:
             return result
     return original(_nested(fun), *primals, has_aux=has_aux, **kwargs)
@@ -225,39 +254,28 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def intercept_gradients(config=None):
+def intercept_gradients(notes: list[Note]):
     """While active, gradients nested in reverse-mode differentiation are taken forward-over-reverse.
 
-    Re-entrant (nested ``hlopass.jit`` traces share one installation); the
-    depth starts at zero for each outermost use.
+    What is replaced (or left alone, and why) is appended to ``notes``.
+    Re-entrant: a ``hlopass.jit`` traced inside another's trace gets its own
+    notes and cache token and keeps the depth it was called at; the depth
+    starts at zero for each outermost use. The patched entry points are
+    installed while any thread traces under this context.
     """
     global _active
     with _lock:
         if _active == 0:
             _install()
         _active += 1
-    outermost = not _enabled()
-    _state.enabled = getattr(_state, "enabled", 0) + 1
+    outer = _tracing()
+    _state.tracing = _Tracing(notes)
     try:
-        with _at_depth(0 if outermost else _depth()):
+        with _at_depth(0 if outer is None else _depth()):
             yield
     finally:
-        _state.enabled -= 1
+        _state.tracing = outer
         with _lock:
             _active -= 1
             if _active == 0:
                 _uninstall()
-
-
-def scopes_in(name_stack: Any) -> list[str]:
-    """The ``hlopass_hvp_<n>`` scopes named in an equation's name stack."""
-    text = str(name_stack)
-    found = []
-    start = text.find(SCOPE_PREFIX)
-    while start != -1:
-        end = start + len(SCOPE_PREFIX)
-        while end < len(text) and text[end].isdigit():
-            end += 1
-        found.append(text[start:end])
-        start = text.find(SCOPE_PREFIX, end)
-    return found
