@@ -49,7 +49,8 @@ class Note:
     """A finding a pass made outside the pipeline (while the user's function was traced, or before
     JAX linearised it), carried with the program to the pass's report.
 
-    ``kind`` is a rewrite kind, or ``"skip"`` for something left alone (``primitive`` names it).
+    ``kind`` is a rewrite kind, or ``"skip"`` for something left alone (``primitive`` names it);
+    ``details`` are ``(key, value)`` pairs for programs (a tuple, so that notes stay hashable).
     """
 
     pass_name: str
@@ -57,6 +58,7 @@ class Note:
     location: str
     summary: str
     primitive: str = ""
+    details: tuple = ()
 
 
 @dataclasses.dataclass
@@ -80,7 +82,7 @@ class PassReport:
         if note.kind == "skip":
             self.skipped.append(Skip(self.name, note.location, note.primitive, note.summary))
         else:
-            self.rewrites.append(Rewrite(self.name, note.kind, note.location, note.summary))
+            self.rewrites.append(Rewrite(self.name, note.kind, note.location, note.summary, dict(note.details)))
 
     def skip(self, eqn_or_location, primitive: str, reason: str) -> Skip:
         """Record something left alone and why."""

@@ -16,12 +16,6 @@ N = 14_000
 CAP = "2GB"
 
 
-def needs_split():
-    if "split" not in hlopass.available_passes():
-        pytest.skip(f"the demo's rescue needs the 'split' pass, not registered yet "
-                    f"(available: {', '.join(hlopass.available_passes()) or 'none'})")
-
-
 def test_run_capped_reads_the_child_result():
     code = f"import json; print('noise'); print({demo.RESULT_MARKER!r} + json.dumps({{'status': 'ok', 'x': 3}}))"
     result = demo.run_capped(["-c", code], cap_bytes=None)
@@ -68,7 +62,6 @@ def test_table_lists_outcomes_memory_and_rewrites():
 
 @pytest.mark.slow
 def test_demo_rescues_the_program():
-    needs_split()
     results = demo.run_demo(n=N, cap=CAP, echo=lambda line: None)
     plain, ours = results["plain"], results["hlopass"]
     assert plain["status"] == "failed" and "RESOURCE_EXHAUSTED" in plain["error"]
@@ -81,7 +74,6 @@ def test_demo_rescues_the_program():
 
 @pytest.mark.slow
 def test_demo_command_line(tmp_path):
-    needs_split()
     import json
     import subprocess
     done = subprocess.run([sys.executable, "-m", "hlopass.inspection.demo", "--n", str(N), "--cap", CAP,

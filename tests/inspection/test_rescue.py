@@ -30,9 +30,6 @@ def test_plain_jit_fails_at_60000_under_4gb():
 
 
 def test_hlopass_finishes_at_60000_under_4gb():
-    if "split" not in hlopass.available_passes():
-        pytest.skip("needs the 'split' pass, not registered yet "
-                    f"(available: {', '.join(hlopass.available_passes()) or 'none'})")
     result = run("hlopass")
     assert result["status"] == "ok", result
     assert result["error_vs_float64"] < 1e-4, result

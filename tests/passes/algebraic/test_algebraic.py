@@ -338,9 +338,6 @@ def test_a_new_identity_is_one_small_rule():
 
 def test_composes_with_split_in_the_default_pipeline():
     """The distance becomes n x m; splitting then bounds that by the threshold; numbers and gradients hold."""
-    from hlopass.registry import available_passes
-    if "split" not in available_passes():
-        pytest.skip("no split pass in this checkout")
     q, p = points("float32", n=97, m=89)
     v = normal(3, (89,), jnp.float32)
     compiled = hlopass.jit(kernels.kernel_matvec, threshold="8kB")
