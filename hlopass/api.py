@@ -27,7 +27,7 @@ compile_listeners: list[Callable] = []
 
 def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: Any = None,
         memory_limit: Any = None, passes: Any = None, dump_to: Any = None, strict: Any = None,
-        **jit_kwargs):
+        min_gain: Any = None, **jit_kwargs):
     """Like ``jax.jit``, with hlopass's passes applied to the traced program.
 
     Accepts everything ``jax.jit`` accepts (``static_argnums``,
@@ -36,10 +36,12 @@ def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: An
     ``split_size``, ``memory_limit`` (sizes such as ``"100MB"`` or bytes;
     ``"off"`` turns one off), ``passes`` (names or a comma-separated string),
     ``dump_to`` (a folder) and ``strict`` (raise ``MemoryLimitError``
-    instead of warning). Usable as ``@hlopass.jit`` and ``@hlopass.jit(...)``.
+    instead of warning) and ``min_gain`` (the factor by which a reordering of products must cut
+    their multiply-adds). Usable as ``@hlopass.jit`` and ``@hlopass.jit(...)``.
     """
     overrides = {k: v for k, v in dict(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
-                                       passes=passes, dump_to=dump_to, strict=strict).items() if v is not None}
+                                       passes=passes, dump_to=dump_to, strict=strict,
+                                       min_gain=min_gain).items() if v is not None}
     if fun is None:
         return lambda f: jit(f, **overrides, **jit_kwargs)
     if isinstance(fun, HlopassFunction):  # re-wrapping: new settings on the same function

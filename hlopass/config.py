@@ -18,6 +18,9 @@ from hlopass.sizes import format_size
 DEFAULT_THRESHOLD_FRACTION = 1 / 20
 DEFAULT_THRESHOLD_MIN = 2**20
 DEFAULT_THRESHOLD_MAX = 2**30
+#: Products are reordered only when that cuts their multiply-adds by at least this factor: below
+#: it, the order as written (and its rounding) is kept.
+DEFAULT_MIN_GAIN = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Config:
     passes: tuple[Any, ...] = ()
     dump_to: str | None = None
     strict: bool = False
+    #: A reordering (matrix_chain) must cut the multiply-adds by at least this factor.
+    min_gain: float = DEFAULT_MIN_GAIN
 
     @property
     def pass_names(self) -> tuple[str, ...]:

@@ -8,6 +8,7 @@
 | passes to run, in order | ``HLOPASS_PASSES`` | ``passes=`` |
 | folder to dump every compiled function to | ``HLOPASS_DUMP_TO`` | ``dump_to=`` |
 | raise instead of warn when over the limit | ``HLOPASS_STRICT`` | ``strict=`` |
+| smallest multiply-add ratio for which products are reordered | ``HLOPASS_MIN_GAIN`` | ``min_gain=`` |
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from hlopass.config import Config, default_threshold, device_memory_bytes
+from hlopass.config import DEFAULT_MIN_GAIN, Config, default_threshold, device_memory_bytes
 from hlopass.errors import ConfigError
 from hlopass.registry import resolve_passes
 from hlopass.sizes import parse_size
@@ -26,10 +27,13 @@ ENV_MEMORY_LIMIT = "HLOPASS_MEMORY_LIMIT"
 ENV_PASSES = "HLOPASS_PASSES"
 ENV_DUMP_TO = "HLOPASS_DUMP_TO"
 ENV_STRICT = "HLOPASS_STRICT"
+ENV_MIN_GAIN = "HLOPASS_MIN_GAIN"
 
 #: keyword -> environment variable, for every setting
 SETTINGS = {"threshold": ENV_THRESHOLD, "split_size": ENV_SPLIT_SIZE, "memory_limit": ENV_MEMORY_LIMIT,
-            "passes": ENV_PASSES, "dump_to": ENV_DUMP_TO, "strict": ENV_STRICT}
+            "passes": ENV_PASSES, "dump_to": ENV_DUMP_TO, "strict": ENV_STRICT, "min_gain": ENV_MIN_GAIN}
+MIN_GAIN_FORMS = ("a number at least 1: the factor by which a reordering must cut multiply-adds "
+                  "(e.g. 1.25; 1 reorders for any gain)")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -94,5 +98,20 @@ def resolve(overrides: Mapping[str, object] | None = None, environ: Mapping[str,
     raw, name = pick("strict", ENV_STRICT)
     strict = False if raw is _UNSET else _parse_bool(raw, name)
 
+    raw, name = pick("min_gain", ENV_MIN_GAIN)
+    min_gain = DEFAULT_MIN_GAIN if raw is _UNSET else _parse_gain(raw, name)
+
     return Config(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
-                  passes=passes, dump_to=dump_to, strict=strict)
+                  passes=passes, dump_to=dump_to, strict=strict, min_gain=min_gain)
+
+
+def _parse_gain(value, setting: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{setting}={value!r} is not a gain; accepted forms: {MIN_GAIN_FORMS}")
+    try:
+        gain = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{setting}={value!r} is not a gain; accepted forms: {MIN_GAIN_FORMS}") from None
+    if not gain >= 1.0 or gain == float("inf"):
+        raise ConfigError(f"{setting}={value!r} is not a gain; accepted forms: {MIN_GAIN_FORMS}")
+    return gain

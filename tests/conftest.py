@@ -6,5 +6,5 @@ import os
 os.environ.setdefault("HLOPASS_RAISE_PASS_ERRORS", "1")
 os.environ.setdefault("HLOPASS_CHECK_PASSES", "1")
 for _name in ("HLOPASS_TENSOR_SIZE_THRESHOLD", "HLOPASS_TENSOR_SPLIT_SIZE", "HLOPASS_MEMORY_LIMIT",
-              "HLOPASS_PASSES", "HLOPASS_DUMP_TO", "HLOPASS_STRICT"):
+              "HLOPASS_PASSES", "HLOPASS_DUMP_TO", "HLOPASS_STRICT", "HLOPASS_MIN_GAIN"):
     os.environ.pop(_name, None)
