@@ -49,6 +49,8 @@ class LoopPlan:
     chunk: int
     #: optional rewrite of one step's program (nested splitting); gets the traced ClosedJaxpr
     refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
+    #: the pass's choice that produced this plan (for its report)
+    candidate: object = None
 
     @functools.cached_property
     def carried(self) -> list:
@@ -121,10 +123,18 @@ class LoopPlan:
                 shape[axis] = size
             shapes.append(tuple(shape))
         monoid = self.region.reducing.get(i)
+        params = chunk_params(eqn, shapes)
+        if eqn.primitive.name == "top_k":
+            invals = [_positive_nan(invals[0])]
         if monoid == "top_k" and size < eqn.params["k"]:
             outs = _whole_slice_as_top_k(eqn, invals[0])
+        elif monoid == "add" and eqn.primitive.name == "dot_general" and _is_low_float(eqn.outvars[0].aval.dtype):
+            # partial products stay in float32 until the end, as XLA accumulates one dot
+            outs = bind_equation(eqn, invals, {**params, "preferred_element_type": jnp.dtype(jnp.float32)})
         else:
-            outs = bind_equation(eqn, invals, chunk_params(eqn, shapes))
+            outs = bind_equation(eqn, invals, params)
+        if eqn.primitive.name in NAN_PROPAGATING and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
+            outs = [_propagate_nan(invals[0], outs[0], eqn.params["axes"])]
         if eqn.primitive.name == "iota" and self.region.var_axis[eqn.outvars[0]] == eqn.params["dimension"]:
             outs = [outs[0] + lax.convert_element_type(start, outs[0].dtype)]
         extra = None
@@ -245,16 +255,38 @@ class LoopPlan:
         eqn = self.jaxpr.eqns[i]
         slots = [self.carried.index(v) if v in self.carried else None for v in eqn.outvars]
         axis = eqn.params.get("axis", len(eqn.outvars[0].aval.shape) - 1)
-        values = jnp.concatenate([state[slots[0]], partial[slots[0]]], axis=axis)
+        values = _positive_nan(jnp.concatenate([state[slots[0]], partial[slots[0]]], axis=axis))
         indices = jnp.concatenate([state[slots[1]], partial[slots[1]]], axis=axis)
         best, where = bind_equation(eqn, [values])
         new_state[slots[0]] = best
         new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
 
 
+#: Reductions whose floating results follow IEEE-754 maximum/minimum (NaN wins), whatever kernel
+#: XLA picks for one slice (XLA:CPU's YNNPACK reductions skip NaN in large inputs, its own do not).
+NAN_PROPAGATING = ("reduce_max", "reduce_min")
+
+
+def _propagate_nan(operand, reduced, axes):
+    has_nan = lax.reduce_or(lax.ne(operand, operand), tuple(axes))
+    return lax.select(has_nan, lax.full_like(reduced, jnp.nan), reduced)
+
+
+def _positive_nan(values):
+    """``values`` with every NaN made positive: ``top_k`` ranks NaN above every number whatever its sign
+    (which XLA's kernels do not keep consistently), earlier index first."""
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        return values
+    return lax.select(lax.ne(values, values), lax.full_like(values, jnp.nan), values)
+
+
+def _is_low_float(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
 def _accumulator_dtype(monoid: str, dtype):
     """Sums and products of 16-bit floats accumulate across slices in float32 (as XLA does within one)."""
-    if monoid in ("add", "mul") and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    if monoid in ("add", "mul") and _is_low_float(dtype):
         return jnp.float32
     return dtype
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Hashable
 
+import numpy as np
 from jax._src import core
 
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS, dot_general_labels
@@ -100,14 +101,23 @@ def _reduction(eqn) -> DimMap:
     in_labels = [("reduced", d) if d in axes else d for d in range(rank)]
     out_labels = [d for d in range(rank) if d not in axes]
     monoid = REDUCTIONS.get(eqn.primitive.name, eqn.primitive.name)  # argmax/argmin name their own monoid
+    monoid = _boolean_monoid(monoid, eqn.outvars[0].aval.dtype)
     return DimMap([in_labels], [out_labels], {("reduced", d): monoid for d in axes})
+
+
+def _boolean_monoid(monoid: str, dtype) -> str:
+    """On booleans a sum is an or and a product an and (a ``dot_general`` of bools is an or of ands)."""
+    if np.dtype(dtype) == np.bool_:
+        return {"add": "or", "mul": "and", "max": "or", "min": "and"}.get(monoid, monoid)
+    return monoid
 
 
 def _dot_general(eqn) -> DimMap:
     lhs, rhs, out = dot_general_labels(eqn.params["dimension_numbers"], len(_shape(eqn.invars[0])),
                                        len(_shape(eqn.invars[1])))
     contracted = {label for label in lhs if label[0] == "contract"}
-    return DimMap([lhs, rhs], [out], {label: "add" for label in contracted})
+    monoid = _boolean_monoid("add", eqn.outvars[0].aval.dtype)
+    return DimMap([lhs, rhs], [out], {label: monoid for label in contracted})
 
 
 def _reshape(eqn) -> DimMap:
@@ -221,8 +231,15 @@ def _with_shape(key):
 
 
 def _slice_params(params, out_shapes):
-    limits = [start + size for start, size in zip(params["start_indices"], out_shapes[0])]
-    return {**params, "limit_indices": tuple(limits)}
+    # Only dimensions the rule labels (whole, stride 1) are sliced; every other dimension keeps its
+    # start, limit and stride (a strided dimension's result length is not limit - start).
+    starts, limits = params["start_indices"], params["limit_indices"]
+    strides = params.get("strides") or (1,) * len(starts)
+    new_limits = []
+    for start, limit, stride, size in zip(starts, limits, strides, out_shapes[0]):
+        whole = -(-(limit - start) // stride)
+        new_limits.append(limit if size == whole else start + size)
+    return {**params, "limit_indices": tuple(new_limits)}
 
 
 CHUNK_PARAMS: dict[str, Callable[[dict, list[tuple[int, ...]]], dict]] = {
