@@ -41,6 +41,7 @@ from hlopass.report import PassReport, source_line
 from hlopass.sizes import format_size
 
 from .emit import LoopPlan
+from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +221,10 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
         jaxpr = current.jaxpr
         graph = DataflowGraph(jaxpr)
         plans, failures = _plan_round(jaxpr, graph, config, report, options, broken)
+        if failures:  # perhaps a shared large value needs two passes: one copy per stage of its readers
+            current, plans, failures = _recompute_where_it_helps(current, plans, failures, config, report,
+                                                                 options, broken)
+            jaxpr = current.jaxpr
         if not plans:
             for seed, index, reason in failures:
                 _report_skip(report, jaxpr, seed, index, reason)
@@ -229,6 +234,39 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
             break
         current, changed = built, True
     return current if changed else closed
+
+
+def _recompute_where_it_helps(current, plans, failures, config: Config, report: PassReport,
+                              options: SplitOptions, broken: set):
+    """Give the later stages of readers of a shared large value their own copy, one value at a time,
+    keeping each copy that leaves fewer regions unsplit."""
+    tried = 0
+    for index in range(len(current.jaxpr.eqns)):
+        candidates = staged_values(current.jaxpr, config.split_size)
+        if tried >= len(candidates) or not failures:
+            break
+        var = candidates[tried]
+        staged = recompute_for_later_stages(current, var, config.split_size)
+        staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
+                                                    options, broken)
+        if len(staged_failures) < len(failures):
+            current, plans, failures = staged, staged_plans, staged_failures
+            tried = 0
+        else:
+            tried += 1
+    if failures:  # values whose copies only help together (a gradient reading several of them again)
+        staged = current
+        for _ in range(4 * len(current.jaxpr.eqns)):
+            candidates = staged_values(staged.jaxpr, config.split_size)
+            if not candidates:
+                break
+            staged = recompute_for_later_stages(staged, candidates[0], config.split_size)
+        if staged is not current:
+            staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
+                                                        options, broken)
+            if len(staged_failures) < len(failures):
+                current, plans, failures = staged, staged_plans, staged_failures
+    return current, plans, failures
 
 
 def _replacement(plan: LoopPlan) -> Replacement:

@@ -34,10 +34,11 @@ from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 
-from .rules import DimMap, dim_map
+from .rules import SCATTER_MONOIDS, DimMap, dim_map
 
 #: Primitives a region may start from.
-SEED_PRIMITIVES = frozenset({"dot_general", "top_k", *REDUCTIONS, *ARG_REDUCTIONS, *CUMULATIVE})
+SEED_PRIMITIVES = frozenset({"dot_general", "top_k", "triangular_solve", "gather", "slice", "dynamic_slice",
+                             *SCATTER_MONOIDS, *REDUCTIONS, *ARG_REDUCTIONS, *CUMULATIVE})
 
 
 #: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
