@@ -76,30 +76,26 @@ class _Stages:
             reduces = any(self._large(a) for a in eqn.invars) and not any(self._large(v) for v in eqn.outvars)
             for var in eqn.outvars:
                 self.level[var] = here + 1 if reduces else here
-        self._meets: dict[int, int] = {}
-
-    def _large(self, atom) -> bool:
-        return isinstance(atom, core.Var) and aval_nbytes(atom.aval) > self.large
-
-    def meets(self, i: int) -> int:
-        """Highest level of the values read by equation ``i`` and by the readers of its large
-        results, transitively."""
-        if i not in self._meets:
-            self._meets[i] = 0  # the graph is acyclic; this only guards the recursion
-            eqn = self.jaxpr.eqns[i]
+        # The highest level met by each equation and, transitively, by the readers of its large results
+        # (equations are in dependency order, so readers come later: one backward sweep).
+        self.meets: list[int] = [0] * len(jaxpr.eqns)
+        for i in reversed(range(len(jaxpr.eqns))):
+            eqn = jaxpr.eqns[i]
             best = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
             for var in eqn.outvars:
                 if self._large(var):
-                    best = max([best] + [self.meets(j) for j in self.graph.uses(var)])
-            self._meets[i] = best
-        return self._meets[i]
+                    best = max([best] + [self.meets[j] for j in graph.uses(var)])
+            self.meets[i] = best
+
+    def _large(self, atom) -> bool:
+        return isinstance(atom, core.Var) and aval_nbytes(atom.aval) > self.large
 
     def later_readers(self, var) -> list[int]:
         """Readers of ``var`` in a later stage than its first."""
         readers = sorted(set(self.graph.uses(var)))
         if len(readers) < 2:
             return []
-        stage = {j: self.meets(j) for j in readers}
+        stage = {j: self.meets[j] for j in readers}
         first = min(stage.values())
         return [j for j in readers if stage[j] > first]
 
