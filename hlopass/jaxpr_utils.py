@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -21,7 +22,10 @@ def aval_nbytes(aval) -> int:
         itemsize = np.dtype(dtype).itemsize
     except TypeError:
         itemsize = getattr(dtype, "itemsize", 4)
-    return int(np.prod(shape, dtype=np.int64)) * itemsize
+    try:
+        return math.prod(shape) * itemsize  # plain ints: much faster than np.prod, and analyses call it often
+    except TypeError:
+        return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
 def aval_str(aval) -> str:

@@ -1,26 +1,35 @@
 """The size-threshold splitting pass (eXLA's tensor splitter, on jaxprs).
 
-Matches: a reducing equation (``dot_general``, ``reduce_sum``/``max``/``min``/
-``prod``/``and``/``or``/``xor``, ``argmax``/``argmin``, ``top_k``, a
-cumulative op along another axis) with an operand larger than
-``config.threshold``, together with the region that computes that operand
-from small inputs through elementwise ops, broadcasts, ``iota``, transposes,
-axis-keeping reshapes, ``dot_general``, reductions over other axes,
-``select_n``, ``convert_element_type``, ``integer_pow`` and ``jax.nn``
-functions (``custom_jvp_call`` bodies are inlined). Several reducers reading
-one large value join one region.
+Matches: a size-reducing equation (``dot_general``, ``reduce_sum``/``max``/
+``min``/``prod``/``and``/``or``/``xor``, ``argmax``/``argmin``, ``top_k``, a
+cumulative op along another axis, ``triangular_solve``, ``gather``, a
+scatter, a slice) with an operand larger than ``config.threshold``, together
+with the region that computes that operand from small inputs through the
+primitives of :data:`.rules.AXIS_RULES` (elementwise ops, broadcasts,
+``iota``, transposes, axis-keeping reshapes, contractions, reductions over
+other axes, triangular solves, gathers and scatters, dynamic slices, sorts
+along another axis...). Several reducers reading one large value join one
+region. At every program level, calls holding a large value (``pjit``,
+``closed_call``, ``checkpoint``, ``custom_jvp``/``custom_vjp``) are inlined
+first, and the bodies of loops, branches and linear solves are split on
+their own (innermost first). A large value read both before and after its
+own reduction is recomputed once per stage of its readers
+(:mod:`.recompute`), one loop per stage.
 
 Emits: one ``fori_loop`` per region over slices of a split axis (a
 remainder step when the chunk does not divide it), each iteration
 recomputing the region on ``dynamic_slice`` s of its inputs and writing
 (``dynamic_update_slice``) or combining (sum, product, max, min, and, or,
-xor, first-index argmax/argmin, running top-k) its results. The chunk keeps
-the largest value of one iteration within ``config.split_size``; when no
-single axis can, one iteration is split again along a second axis (nested
-loops).
+xor, first-index argmax/argmin, running top-k, a scatter's running result)
+its results. The chunk keeps the largest value of one iteration within
+``config.split_size``; when no single axis can, one iteration is split again
+along a second axis (nested loops).
 
 Leaves alone: what cannot be split (no rule, random numbers, sort or a
-cumulative op along the axis...), reported with its source line.
+cumulative op along the axis, a factorisation of a large matrix...),
+reported with its source line; a region whose loop cannot be built and a
+sub-program that cannot be rebuilt are left as they are and reported, the
+rest is still split.
 """
 
 from __future__ import annotations
@@ -217,11 +226,13 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
         return closed
     changed = False
     broken: set = set()
+    staging_tries = 2  # looking for two-pass values costs re-planning: twice per level at most
     for _ in range(options.max_rounds):
         jaxpr = current.jaxpr
         graph = DataflowGraph(jaxpr)
         plans, failures = _plan_round(jaxpr, graph, config, report, options, broken)
-        if failures:  # perhaps a shared large value needs two passes: one copy per stage of its readers
+        if failures and staging_tries:  # a shared large value may need two passes: a copy per stage of readers
+            staging_tries -= 1
             current, plans, failures = _recompute_where_it_helps(current, plans, failures, config, report,
                                                                  options, broken)
             jaxpr = current.jaxpr
@@ -241,7 +252,7 @@ def _recompute_where_it_helps(current, plans, failures, config: Config, report: 
     """Give the later stages of readers of a shared large value their own copy, one value at a time,
     keeping each copy that leaves fewer regions unsplit."""
     tried = 0
-    for index in range(len(current.jaxpr.eqns)):
+    for _ in range(len(current.jaxpr.eqns)):
         candidates = staged_values(current.jaxpr, config.split_size)
         if tried >= len(candidates) or not failures:
             break
@@ -260,7 +271,10 @@ def _recompute_where_it_helps(current, plans, failures, config: Config, report: 
             candidates = staged_values(staged.jaxpr, config.split_size)
             if not candidates:
                 break
-            staged = recompute_for_later_stages(staged, candidates[0], config.split_size)
+            copied = recompute_for_later_stages(staged, candidates[0], config.split_size)
+            if copied is staged:
+                break
+            staged = copied
         if staged is not current:
             staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
                                                         options, broken)

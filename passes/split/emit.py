@@ -13,9 +13,16 @@ equations on the slices, and
   ``max``/``min``/``and``/``or``/``xor`` elementwise, ``argmax``/``argmin``
   as (value, index) pairs keeping the first index on ties (NaN wins, as in
   ``jnp.argmax``), ``top_k`` as a running top-k merged with the slice's
-  top-k (the first slice initialises it, so no sentinel can win).
+  top-k (the first slice initialises it, so no sentinel can win);
+* scatters the slice's indices and updates into a scatter's running result
+  (initialised with the scatter's operand), in order, when the indices run
+  along the split axis.
 
-``chunk_program`` is the work of one step as a standalone function; when one
+Floating ``max``/``min`` reductions propagate NaN and ``top_k`` ranks every NaN
+first, whatever kernel XLA picks for one slice (see the README's NaN rule);
+a 16-bit contraction over the split axis keeps float32 partial products.
+
+``step_function`` is the work of one step as a standalone function; when one
 step is still too large, the pass splits that program again along a second
 axis (nested loops).
 """

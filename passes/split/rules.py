@@ -10,10 +10,15 @@ dimension...). A label present in operands but absent from every result is
 computed on slices (``add`` for sums and contractions, ``max``, ``argmax``,
 ``top_k``...).
 
+A scatter's reduced label (its indices run along the split axis) names the
+scatter's own monoid; the loop then carries the scatter's result instead of
+combining partial results (see :mod:`.emit`).
+
 ``chunk_params(eqn, out_shapes)`` gives the parameters an equation needs when
 its results have the (smaller) ``out_shapes``: the shape parameters of
-``broadcast_in_dim``, ``reshape``, ``iota`` and ``slice``. Primitives missing
-from :data:`AXIS_RULES` stop a split region (the report names them).
+``broadcast_in_dim``, ``reshape``, ``iota``, ``slice``, ``gather`` and
+``dynamic_slice``. Primitives missing from :data:`AXIS_RULES` stop a split
+region (the report names them).
 """
 
 from __future__ import annotations

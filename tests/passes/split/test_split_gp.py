@@ -69,3 +69,16 @@ def _numpy_sgpr(X, y, Z, params):
     c = np.linalg.solve(LB, A @ y) / np.sqrt(noise)
     return (-0.5 * n * np.log(2 * np.pi) - np.sum(np.log(np.diag(LB))) - 0.5 * n * np.log(noise)
             - 0.5 * y @ y / noise + 0.5 * c @ c - 0.5 * n * var / noise + 0.5 * np.trace(AAT))
+
+
+@pytest.mark.parametrize("name,loops", [("sgpr_bound_grad", 2), ("sinkhorn", 3)])
+def test_two_pass_programs_recompute_once_per_stage(name, loops):
+    """A large value read before and after its own reduction gets one copy per stage, not one per
+    reader: SGPR's statistics and their gradient are two loops; each Sinkhorn iteration one loop per
+    half-step (rows, then columns), and one for the final cost."""
+    sizes, threshold, x64 = SMALL[name]
+    fn, make, _, _ = gp.PROGRAMS[name]
+    with jax.enable_x64(x64):
+        args = make(**sizes)
+        done = split_rewrites(split_jit(fn, threshold).trace(*args).report)
+    assert len(done) == loops, [r.summary for r in done]
