@@ -83,7 +83,8 @@ def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]
                 return new.jaxpr
             return value
         if isinstance(value, (tuple, list)) and any(True for _ in _jaxprs_in(value)):
-            return type(value)(visit(v) for v in value)
+            items = [visit(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
         return value
 
     params = {key: visit(value) for key, value in eqn.params.items()}
