@@ -153,6 +153,8 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
     removed = max(internal, key=lambda i: i.nbytes)
     if not expansion.exact and threshold is not None and removed.nbytes <= threshold:
         return None  # inexact rewrites only where memory asks for them
+    if expansion.exact and not any(len(m.factors) > 1 or m.deltas for m in expansion.monomials):
+        return None  # a sum of one tensor, relabelled: nothing a rewrite could skip
     kind = classify(expansion, internal, labels)
     partly_used_product = kind in ("trace_of_product", "diagonal_of_product", "sum_of_product") and any(
         i.primitive == "dot_general" and i.nbytes >= kept for i in internal)

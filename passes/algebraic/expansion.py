@@ -47,9 +47,10 @@ A ``where``/``select`` is expanded only when its predicate is an identity
 mask and its other case is zero: the selection keeps reading only the
 selected values. A data-dependent ``where`` is a leaf: expanding it into
 ``f + mask·(t − f)`` would read the values it drops (an Inf or NaN it guards
-would come back). Likewise a product with an identity mask (``jnp.eye(n) * M``)
-is refused: plain JAX turns an Inf off the diagonal into NaN (0·Inf), a
-selection would not read it.
+would come back). A product with an identity mask (``jnp.eye(n) * M``) is a
+selection too: XLA itself simplifies it to one (``jax.jit`` gives the
+diagonal's value where eager JAX gives 0·Inf = NaN for an Inf off the
+diagonal), so the rewrite matches ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -373,7 +374,6 @@ class Expander:
         self.hidden = False
         self._labels = itertools.count()
         self._visits = 0
-        self._selecting = 0  # inside a platform cond whose default branch selects (a gather)
 
     # -- the written form and the expanded one -------------------------------------------------
     def difference(self, a: Expansion, b: Expansion, sign: float) -> Expansion | None:
@@ -574,12 +574,7 @@ def _neg(ex, eqn, scope, _k, labels):
 @rule("mul")
 def _mul(ex, eqn, scope, _k, labels):
     same = scope.resolve(eqn.invars[0]) == scope.resolve(eqn.invars[1])
-    a, b = ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels)
-    if (is_mask(a) != is_mask(b)) and not ex._selecting:
-        raise NoMatch("a product with an identity mask (jnp.eye(n) * M): plain JAX makes 0*Inf = NaN off the "
-                      "diagonal, a selection would not read those entries (jnp.diagonal, jnp.trace or "
-                      "jnp.where select)")
-    return multiply(a, b, square=same)
+    return multiply(ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels), square=same)
 
 
 @rule("div")
@@ -720,13 +715,10 @@ def _platform_cond(ex, eqn, scope, position, labels):
         raise NoMatch("a data-dependent cond")
     reasons = []
     for branch in eqn.params["branches"]:
-        ex._selecting += 1  # the branches compute what the default one does: jnp.diagonal's gather selects
         try:
             return _enter(ex, eqn, scope, position, labels, branch.jaxpr, branch.consts, eqn.invars[1:])
         except NoMatch as reason:
             reasons.append(str(reason))
-        finally:
-            ex._selecting -= 1
     raise NoMatch("no branch of the platform cond expands: " + "; ".join(reasons))
 
 
@@ -799,6 +791,7 @@ def add_terms(terms: list, out_shape: tuple, dtype):
 def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out_shape, dtype):
     mapping, summed = _unify(m, outputs)
     operands, subscripts, scalar = [], [], jnp.asarray(m.coeff, dtype)
+    unit = m.coeff == 1.0
     used: set[int] = set()
     for f in m.factors:
         value = values[f.source].astype(dtype)
@@ -807,19 +800,26 @@ def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out
         value = _raise(value, f.power)
         labels = [mapping.get(f.labels[i], f.labels[i]) for i in keep]
         if not labels:
-            scalar = scalar * value
+            scalar, unit = scalar * value, False
             continue
         operands.append(value)
         subscripts.append(labels)
         used.update(labels)
     for lab in summed - used:
-        scalar = scalar * label_sizes[lab]
+        scalar, unit = scalar * label_sizes[lab], False
     kept = [lab for lab in output_labels if lab is not None and lab in used]
     if operands:
+        result_size = int(np.prod([label_sizes[lab] for lab in kept], dtype=np.int64))
+        smallest = min(range(len(operands)), key=lambda k: operands[k].size)
+        scale_first = not unit and operands[smallest].size < result_size
+        if scale_first:  # scale the smallest operand, not the (larger) result: one pass less over it
+            operands[smallest] = operands[smallest] * scalar
         names = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(sorted(used))}
         spec = ",".join("".join(names[lab] for lab in s) for s in subscripts) + "->" + "".join(names[lab] for lab in kept)
         path = contraction_path(spec, [o.shape for o in operands])
-        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize=path) * scalar
+        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize=path)
+        if not unit and not scale_first:
+            result = result * scalar
     else:
         result = scalar
     positions = [i for i, lab in enumerate(output_labels) if lab is not None and lab in used]
