@@ -90,7 +90,7 @@ class Candidate:
 
     @property
     def clamp(self) -> bool:
-        return self.kind == "squared_distance"
+        return self.kind == "squared_distance" if self.plan is None else self.plan.sign != 0
 
     def build(self, *values):
         out = self.eqn.outvars[0].aval
@@ -173,6 +173,10 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
     if expansion.exact:
         return candidate
     what = kind.replace("_", " ")
+    if np.dtype(out.aval.dtype).itemsize < 4:
+        report.skip(_location(jaxpr, index, expander), eqn.primitive.name,
+                    f"the {what} in {np.dtype(out.aval.dtype).name}: expanded, it would cancel and overflow")
+        return None
     sensitive = guards.zero_sensitive_use(jaxpr, out)
     if sensitive is not None:
         use, description = sensitive
@@ -180,7 +184,7 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
                     f"the {what} feeds {description} ({_named(use)}): its expanded "
                     "form is not exactly zero for equal points, so that use is sensitive to it")
         return None
-    plan = guards.plan(written, expansion, expander, labels, squared_distance=kind == "squared_distance")
+    plan = guards.plan(written, expansion, expander, labels, squared=expansion.depth == 2)
     if isinstance(plan, str):
         report.skip(_location(jaxpr, index, expander), eqn.primitive.name,
                     f"the {what} cannot keep plain JAX's Inf/NaN semantics: {plan}")
@@ -290,6 +294,7 @@ class AlgebraicPass(Pass):
                            removed_type=aval_str(c.removed.var.aval),
                            removed_bytes=c.removed.nbytes, terms=len(c.expansion.monomials),
                            clamped=c.clamp, exact=c.exact, centred=bool(c.plan and c.plan.shifts),
+                           plain_inf_nan=c.exact or bool(c.plan and c.plan.squares),
                            exact_diagonal=bool(c.plan and c.plan.diagonal))
         replacements = [Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
                         for c in candidates]

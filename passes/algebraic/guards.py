@@ -15,12 +15,14 @@ sum out: the squared distance ``Σ(x − y)²`` becomes ``Σx² + Σy² − 2·x
    a common centre (the mean of their points' finite coordinates): every difference is unchanged,
    and the cancellation of points far from the origin is gone.
 3. **An exact zero on the diagonal** of a self-distance (``x`` against ``x``).
-4. **Plain JAX's Inf/NaN semantics** for the squared distance: it is computed from the finite parts
-   of the points; a pair of points with a NaN coordinate, or with an infinite coordinate of the same
-   sign in both (Inf − Inf), gives NaN, any other infinite coordinate +Inf, as the written form does.
-   A squared distance the pass cannot lay out this way (a difference that is not squared, a weight
-   of odd power) is left as written. The gradient form keeps the pattern of non-finite entries, but
-   may give NaN where plain gives ±Inf (documented in the README's limitations).
+4. **Plain JAX's Inf/NaN semantics** for the pairwise squared distance (:func:`emit_planned`): a
+   pair of points with a NaN coordinate, or with an infinite coordinate of the same sign in both
+   (Inf − Inf), gives NaN, any other infinite coordinate +Inf, as the written form does. Other
+   inexact forms (the gradients ``Σ_m g·(x − y)``, ``Σ_nm g·(x − y)²``, sums over pairs) have
+   their non-finite entries where plain has them, but may give NaN where plain gives ±Inf (see
+   the README's limitations). A square of a sum other than a difference of points is left as
+   written (no centre removes its cancellation), and so is any inexact expansion in a 16-bit type
+   (it would cancel and overflow).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from jax._src import core
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE
 from hlopass.jaxpr_utils import call_body
 
-from .expansion import Expansion, Expander, add_terms, difference_index, emit_terms, is_difference
+from .expansion import (Difference, Expander, Expansion, Factor, Monomial, add_terms, difference_index, emit_terms,
+                        is_difference)
 
 # -- 1. where exact zeros matter ------------------------------------------------------------------
 
@@ -161,39 +164,42 @@ def _sub_jaxprs(eqn):
 # -- 2-4. how to emit it ----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Side:
-    """One source of a difference laid on the output: its axes summed in the square (``reduce``),
-    its other labelled axes (``keep``) and their positions in the output."""
+class Square:
+    """One term ``coeff · Σ_summed Π weights · (a − b)²`` of a squared distance, the weights of even
+    power and indexed by the difference's shared (feature or batch) axes only."""
 
-    source: int
-    reduce: tuple[int, ...]
-    keep: tuple[int, ...]
-    positions: tuple[int, ...]
+    coeff: float
+    difference: Difference
+    summed: frozenset
+    weights: tuple[Factor, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How to emit an inexact expansion (see the module docstring).
 
-    ``shifts``: groups of ``(source, feature axes)`` centred by one common centre; ``finite``: the
-    sources read through their finite parts; ``pairs``: for each squared difference, its two sides,
-    whose Inf/NaN flags are laid on the output with ``sign`` (the sign of the squares);
-    ``diagonal``: pairs of output axes equal on a self-distance's diagonal, where the value is the sum
-    of the expanded monomials ``diagonal_terms``.
+    ``shifts``: groups of ``(source, feature axes)`` centred by one common centre. ``squares``: for
+    a pairwise squared distance, its terms (emitted as norms of the points and one cross product
+    each, with plain JAX's Inf/NaN semantics, see :func:`emit_planned`), ``rest`` the monomials
+    that read no point set; otherwise the expansion is emitted as it is (centred), and its
+    non-finite entries are where plain has them, NaN where plain may have ±Inf. ``diagonal``:
+    pairs of output axes equal on a self-distance's diagonal, where the value is the sum of the
+    monomials ``diagonal_terms`` of the expansion emitted.
     """
 
     shifts: tuple = ()
-    finite: frozenset = frozenset()
-    pairs: tuple = ()
-    sign: float = 1.0
+    squares: tuple = ()
+    rest: tuple = ()
     diagonal: tuple = ()
     diagonal_terms: tuple = ()
-    clamp: bool = False
+    sign: float = 0.0  # clamp the result at zero from below (1) or above (-1); 0: no clamp
 
 
 def plan(written: Expansion, expanded: Expansion, expander: Expander, output_labels: tuple,
-         squared_distance: bool) -> Plan | str:
-    """The :class:`Plan` for an inexact expansion, or why it must not be used (a string)."""
+         squared: bool) -> Plan | str:
+    """The :class:`Plan` for an inexact expansion, or why it must not be used (a string).
+    ``squared``: the expansion multiplies two sums (depth 2), so it must be a squared distance
+    the pass can lay out with plain JAX's Inf/NaN semantics."""
     outputs = {lab: pos for pos, lab in enumerate(output_labels) if lab is not None}
     used = sorted({difference_index(f) for m in written.monomials for f in m.factors if is_difference(f)})
     plain = {f.source for m in written.monomials for f in m.factors if not is_difference(f)}
@@ -229,134 +235,129 @@ def plan(written: Expansion, expanded: Expansion, expander: Expander, output_lab
             shifts.append(tuple((s, features[s]) for s in sorted(members)))
     centred = {s for group in shifts for s, _ in group}
 
-    diagonal, diagonal_terms = (), ()
+    diagonal, self_source = (), None
     if len(differences) == 1 and differences[0].a == differences[0].b and differences[0].a in centred:
         d = differences[0]
         a_points = [i for i, lab in enumerate(d.a_labels) if lab is not None and lab not in d.shared]
         b_points = [i for i, lab in enumerate(d.b_labels) if lab is not None and lab not in d.shared]
         if a_points == b_points and all(d.a_labels[i] in outputs and d.b_labels[i] in outputs for i in a_points):
-            diagonal = tuple((outputs[d.a_labels[i]], outputs[d.b_labels[i]]) for i in a_points)
-            diagonal_terms = tuple(j for j, m in enumerate(expanded.monomials)
-                                   if all(f.source != d.a for f in m.factors))
+            diagonal, self_source = tuple((outputs[d.a_labels[i]], outputs[d.b_labels[i]]) for i in a_points), d.a
 
-    if not squared_distance:
-        return Plan(shifts=tuple(shifts), diagonal=diagonal, diagonal_terms=diagonal_terms)
-    found = _square_layout(written, expander, outputs, centred)
-    if isinstance(found, str):
-        return found
-    pairs, sign = found
-    return Plan(shifts=tuple(shifts), finite=frozenset(centred), pairs=pairs, sign=sign, diagonal=diagonal,
-                diagonal_terms=diagonal_terms, clamp=True)
+    if squared and written.spread:
+        return "a sum other than a difference of points is multiplied out (no centre removes its cancellation)"
+    found = _squares(written, expander, outputs, centred) if squared else None
+    if not isinstance(found, tuple):  # emitted as expanded: non-finite entries where plain has them
+        terms = () if self_source is None else tuple(
+            j for j, m in enumerate(expanded.monomials) if all(f.source != self_source for f in m.factors))
+        sign = 1.0 if squared and written.nonneg else 0.0
+        return Plan(shifts=tuple(shifts), diagonal=diagonal, diagonal_terms=terms, sign=sign)
+    squares, sign = found
+    rest = tuple(m for m in written.monomials if not any(is_difference(f) for f in m.factors))
+    # the emitted monomials are the squares' (three each) and then ``rest``: the diagonal's value
+    return Plan(shifts=tuple(shifts), squares=squares, rest=rest, diagonal=diagonal,
+                diagonal_terms=tuple(range(3 * len(squares), 3 * len(squares) + len(rest))), sign=sign)
 
 
-def _square_layout(written: Expansion, expander: Expander, outputs: dict, centred: set):
-    """``(pairs, sign)`` when every difference enters squared, with weights of even power and one
-    sign, its points' axes kept in the output and its feature axes kept or summed; else the reason."""
-    if written.spread:
-        return "a sum other than a difference of points is multiplied out"
-    signs, summed_of = set(), {}
+def _squares(written: Expansion, expander: Expander, outputs: dict, centred: set):
+    """``(squares, sign)`` when the expansion is a pairwise squared distance: every difference enters
+    squared, with weights of even power on its shared axes and one sign, its points' axes kept in
+    the output and its shared axes kept or summed; else why not (a string)."""
+    signs, squares = set(), []
     for m in written.monomials:
         diffs = [f for f in m.factors if is_difference(f)]
         if not diffs:
             continue
         if len(diffs) != 1 or diffs[0].power != 2 or m.deltas:
             return "a product of different differences is not a squared distance the pass can guard"
-        if any(f.power % 2 for f in m.factors if not is_difference(f)):
+        d = expander.differences[difference_index(diffs[0])]
+        weights = tuple(f for f in m.factors if not is_difference(f))
+        if any(f.power % 2 for f in weights):
             return "a weight of odd power: the sign of the squares is not known"
-        k = difference_index(diffs[0])
-        d = expander.differences[k]
+        if any(lab is not None and lab not in d.shared for f in weights for lab in f.labels):
+            return "a weight that depends on the points, not only on their features"
         if not {d.a, d.b} <= centred:
             return "a point set also read outside its differences"
-        feature_sum = d.shared & m.summed
-        if summed_of.setdefault(k, feature_sum) != feature_sum:
-            return "a difference summed over different axes in different terms"
-        if any(lab not in outputs for lab in d.labels if lab not in feature_sum):
+        summed = d.shared & m.summed
+        if any(lab not in outputs for lab in d.labels if lab not in summed) or m.summed - d.shared:
             return "a sum over pairs of points (it would cancel at the scale of the whole sum)"
-        signs.add(np.sign(m.coeff))
+        signs.add(float(np.sign(m.coeff)))
+        squares.append(Square(m.coeff, d, summed, weights))
     if len(signs) > 1:
         return "squares of differences with both signs"
-    pairs = []
-    for k, feature_sum in summed_of.items():
-        d = expander.differences[k]
-        pairs.append(tuple(_side(s, labels, feature_sum, outputs) for s, labels in ((d.a, d.a_labels), (d.b, d.b_labels))))
-    return tuple(pairs), float(signs.pop()) if signs else 1.0
+    return tuple(squares), (signs.pop() if signs else 1.0)
 
 
-def _side(source: int, labels: tuple, feature_sum: frozenset, outputs: dict) -> Side:
-    reduce = tuple(i for i, lab in enumerate(labels) if lab in feature_sum)
-    keep = tuple(i for i, lab in enumerate(labels) if lab is not None and lab not in feature_sum)
-    return Side(source, reduce, keep, tuple(outputs[labels[i]] for i in keep))
+def _finite_mean(value, feats):
+    finite = jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype))
+    points = tuple(ax for ax in range(value.ndim) if ax not in feats)
+    return jnp.mean(finite, axis=points) if points else finite
 
 
 def emit_planned(p: Plan, expansion: Expansion, values: list, output_labels: tuple, label_sizes: dict,
                  out_shape: tuple, dtype):
-    """Emit ``expansion`` (as :func:`~.expansion.emit` does) under the plan ``p``."""
+    """Emit ``expansion`` (as :func:`~.expansion.emit` does) under the plan ``p``.
+
+    A squared distance is emitted term by term as ``c·(Σ a² + Σ b² − 2·Σ â·b̂)``, the weights'
+    square roots folded into the points: the norms read the points as they are (an infinite or NaN
+    coordinate makes them Inf or NaN, as in ``Σ (a − b)²``), the cross product reads them with
+    ±Inf replaced by ±H (H = 2^72 in float32, 2^520 in float64) and NaN by 0. H·H overflows, so
+    two points infinite in the same coordinate with the same sign make ``Inf − Inf = NaN`` in the
+    sum, with opposite signs ``+Inf``, exactly as the written form; ``H·y`` stays finite for
+    coordinates below 2^56 (float32).
+    """
     values = list(values)
-    touched = {s for group in p.shifts for s, _ in group} | set(p.finite)
-    for s in touched:
-        values[s] = jnp.asarray(values[s]).astype(dtype)
-    raw = {s: values[s] for s in touched}
-    zero = jnp.zeros((), dtype)
-    for s in p.finite:
-        values[s] = jnp.where(jnp.isfinite(values[s]), values[s], zero)
     for group in p.shifts:
-        means = []
-        for s, feats in group:
-            finite = values[s] if s in p.finite else jnp.where(jnp.isfinite(values[s]), values[s], zero)
-            points = tuple(ax for ax in range(finite.ndim) if ax not in feats)
-            means.append(jnp.mean(finite, axis=points) if points else finite)
+        for s, _ in group:
+            values[s] = jnp.asarray(values[s]).astype(dtype)
+        means = [_finite_mean(values[s], feats) for s, feats in group]
         centre = lax.stop_gradient(sum(means[1:], means[0]) / len(means))
         for s, feats in group:
             values[s] = values[s] - lax.broadcast_in_dim(centre, values[s].shape, feats)
+    zero = jnp.zeros((), dtype)
+    if p.squares:
+        monomials = []
+        for sq in p.squares:
+            d = sq.difference
+            (a, a_hat), (b, b_hat) = (_scaled(values, s, labels, sq.weights, dtype) for s, labels in
+                                       ((d.a, d.a_labels), (d.b, d.b_labels)))
+            ia = len(values)
+            values.extend([a, a_hat, b, b_hat])
+            monomials += [Monomial(sq.coeff, (Factor(ia, d.a_labels, 2),), (), sq.summed),
+                          Monomial(sq.coeff, (Factor(ia + 2, d.b_labels, 2),), (), sq.summed),
+                          Monomial(-2.0 * sq.coeff, (Factor(ia + 1, d.a_labels), Factor(ia + 3, d.b_labels)), (),
+                                   sq.summed)]
+        expansion = Expansion(tuple(monomials) + p.rest)
     terms = emit_terms(expansion, values, output_labels, label_sizes, out_shape, dtype)
     total = add_terms(terms, out_shape, dtype)
-    if p.clamp:
+    if p.sign > 0:
         total = jnp.maximum(total, zero)
+    elif p.sign < 0:
+        total = jnp.minimum(total, zero)
     if p.diagonal:
         on_diagonal = None
-        for a, b in p.diagonal:
-            same = lax.broadcasted_iota(np.int32, out_shape, a) == lax.broadcasted_iota(np.int32, out_shape, b)
+        for i, j in p.diagonal:
+            same = lax.broadcasted_iota(np.int32, out_shape, i) == lax.broadcasted_iota(np.int32, out_shape, j)
             on_diagonal = same if on_diagonal is None else on_diagonal & same
-        total = jnp.where(on_diagonal, add_terms([terms[j] for j in p.diagonal_terms], out_shape, dtype), total)
-    if p.pairs:
-        nan, inf = None, None
-        for a, b in p.pairs:
-            nan_a, inf_a, words_a = _flags(raw[a.source], a, out_shape)
-            nan_b, inf_b, words_b = _flags(raw[b.source], b, out_shape)
-            pair_nan = nan_a | nan_b
-            for wa, wb in zip(words_a, words_b):
-                pair_nan = pair_nan | ((wa & wb) != 0)
-            nan = pair_nan if nan is None else nan | pair_nan
-            inf = inf_a | inf_b if inf is None else inf | inf_a | inf_b
-        total = total + jnp.where(nan, jnp.asarray(np.nan, dtype),
-                                  jnp.where(inf, jnp.asarray(p.sign * np.inf, dtype), zero))
+        value = add_terms([terms[j] for j in p.diagonal_terms], out_shape, dtype)
+        # x - x is NaN for a point with an infinite or NaN coordinate: the sum is NaN there already
+        total = jnp.where(on_diagonal & ~jnp.isnan(total), value, total)
     return total
 
 
-#: Features per 32-bit word: two bits each (an infinite coordinate of either sign).
-FEATURES_PER_WORD = 16
-
-
-def _flags(value, side: Side, out_shape: tuple):
-    """NaN and Inf flags of each point of one side over its summed features, and its pattern of
-    infinite coordinates packed into 32-bit words (bit 2f: +Inf at feature f, 2f+1: -Inf), all laid
-    on the output; two points with a common bit meet Inf - Inf."""
-    others = tuple(ax for ax in range(value.ndim) if ax not in side.keep and ax not in side.reduce)
-    arranged = jnp.transpose(value, side.keep + side.reduce + others)
-    kept_shape = tuple(int(value.shape[ax]) for ax in side.keep)
-    features = int(np.prod([value.shape[ax] for ax in side.reduce + others], dtype=np.int64))
-    flat = arranged.reshape(kept_shape + (features,))
-    nan, inf = jnp.any(jnp.isnan(flat), -1), jnp.any(jnp.isinf(flat), -1)
-    code = (flat == np.inf).astype(np.uint32) + (flat == -np.inf).astype(np.uint32) * np.uint32(2)
-    n_words = -(-features // FEATURES_PER_WORD)
-    code = jnp.pad(code, [(0, 0)] * len(kept_shape) + [(0, n_words * FEATURES_PER_WORD - features)])
-    code = code.reshape(kept_shape + (n_words, FEATURES_PER_WORD))
-    shifts = (2 * np.arange(FEATURES_PER_WORD)).astype(np.uint32)
-    words = jnp.sum(jnp.left_shift(code, shifts), axis=-1, dtype=np.uint32)  # distinct bits: the sum is an OR
-    order = sorted(range(len(side.keep)), key=lambda i: side.positions[i])
-    positions = tuple(side.positions[i] for i in order)
-
-    def lay(x):
-        return lax.broadcast_in_dim(jnp.transpose(x, order), out_shape, positions)
-
-    return lay(nan), lay(inf), [lay(words[..., w]) for w in range(n_words)]
+def _scaled(values, source: int, labels: tuple, weights, dtype):
+    """A point set times the square roots of the weights (laid on its axes by label), as it is and
+    with ±Inf -> ±H, NaN -> 0 (see :func:`emit_planned`)."""
+    value = values[source]
+    for w in weights:
+        weight = jnp.asarray(values[w.source]).astype(dtype)
+        keep = [i for i, lab in enumerate(w.labels) if lab is not None]
+        weight = weight.reshape([weight.shape[i] for i in keep])
+        own = [labels.index(w.labels[i]) for i in keep]
+        order = sorted(range(len(own)), key=own.__getitem__)
+        weight = lax.integer_pow(jnp.transpose(weight, order), w.power // 2) if w.power // 2 != 1 else \
+            jnp.transpose(weight, order)
+        value = value * lax.broadcast_in_dim(weight, value.shape, tuple(sorted(own)))
+    finfo = jnp.finfo(dtype)
+    big = jnp.asarray(2.0 ** ((int(finfo.maxexp) // 2) + 8), dtype)
+    hat = jnp.where(jnp.isnan(value), jnp.zeros((), dtype), jnp.clip(value, -big, big))
+    return value, hat
