@@ -278,17 +278,27 @@ class AlgebraicPass(Pass):
                 continue
             try:
                 candidate = find_candidate(jaxpr, i, config.threshold, report, later, scope, self.options)
-                if candidate is not None:  # a dry run: a failure here costs this root only
-                    trace_flat(candidate.build, [v.aval for v in candidate.expander.sources])
             except Exception as err:  # noqa: BLE001 - never lose the level's other rewrites for one
                 report.skip(eqn, eqn.primitive.name,
-                            f"could not be rewritten ({type(err).__name__}: {err}); left as written")
+                            f"could not be analysed ({type(err).__name__}: {err}); left as written")
                 continue
             if candidate is not None:
                 found.append(candidate)
         candidates = keep_effective(jaxpr, found, report)
         if not candidates:
             return closed
+        try:
+            new = rewrite(closed, [_replacement(c) for c in candidates], name="algebraic")
+        except Exception:  # noqa: BLE001 - find the roots whose emission fails; rewrite the others
+            errors = {c.index: _emission_error(c) for c in candidates}
+            failing = [c for c in candidates if errors[c.index] is not None]
+            for c in failing:
+                report.skip(_location(jaxpr, c.index, c.expander), c.eqn.primitive.name,
+                            f"could not be rewritten ({errors[c.index]}); left as written")
+            candidates = keep_effective(jaxpr, [c for c in found if c not in failing], report)
+            if not candidates:
+                return closed
+            new = rewrite(closed, [_replacement(c) for c in candidates], name="algebraic")
         for c in candidates:
             report.rewrite(c.kind, _location(jaxpr, c.index, c.expander), _summary(c),
                            removed_type=aval_str(c.removed.var.aval),
@@ -296,9 +306,20 @@ class AlgebraicPass(Pass):
                            clamped=c.clamp, exact=c.exact, centred=bool(c.plan and c.plan.shifts),
                            plain_inf_nan=c.exact or bool(c.plan and c.plan.squares),
                            exact_diagonal=bool(c.plan and c.plan.diagonal))
-        replacements = [Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
-                        for c in candidates]
-        return rewrite(closed, replacements, name="algebraic")
+        return new
+
+
+def _replacement(c: Candidate) -> Replacement:
+    return Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
+
+
+def _emission_error(c: Candidate) -> str | None:
+    """Why emitting ``c`` on its own fails (``None`` if it does not)."""
+    try:
+        trace_flat(c.build, [v.aval for v in c.expander.sources])
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def inline_calls_everywhere(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

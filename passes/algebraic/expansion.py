@@ -64,6 +64,7 @@ import opt_einsum
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
+from jax._src.numpy.einsum import _einsum as _jnp_einsum
 
 from hlopass.einsum_order import einsum_order
 from hlopass.families import dot_general_operand_labels
@@ -816,14 +817,24 @@ def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out
             operands[smallest] = operands[smallest] * scalar
         names = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(sorted(used))}
         spec = ",".join("".join(names[lab] for lab in s) for s in subscripts) + "->" + "".join(names[lab] for lab in kept)
-        path = contraction_path(spec, [o.shape for o in operands])
-        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize=path)
+        result = einsum(spec, operands)
         if not unit and not scale_first:
             result = result * scalar
     else:
         result = scalar
     positions = [i for i, lab in enumerate(output_labels) if lab is not None and lab in used]
     return lax.broadcast_in_dim(jnp.asarray(result, dtype), out_shape, positions)
+
+
+def einsum(spec: str, operands: list):
+    """``jnp.einsum(spec, *operands)`` in the order of :func:`contraction_path`, at the highest
+    precision. (``jnp.einsum`` itself builds a new ``jit`` per call: tens of milliseconds each when
+    a pass emits hundreds of terms, so its implementation is called directly.)"""
+    path = contraction_path(spec, [o.shape for o in operands])
+    _, contractions = opt_einsum.contract_path(spec, *operands, einsum_call=True, use_blas=True, optimize=path,
+                                               shapes=False)
+    contractions = tuple((a, frozenset(b), c) for a, b, c, *_ in contractions)
+    return _jnp_einsum(list(operands), contractions, lax.Precision.HIGHEST, None)
 
 
 def contraction_path(spec: str, shapes) -> list:
