@@ -12,7 +12,9 @@ ratios plain / hlopass and hlopass / by hand.
 - ``diag(A@B)``, ``trace(A@B)``, ``sum(eye * (A@B))``: n x n float32 (n = 3,000); by hand
   ``einsum('ik,ki->i')`` and ``einsum('ik,ki->')``.
 - broadcast-multiply-sum ``(x[:,None,:] * y[None]).sum(-1)``: n x 64 against n x 64 (one
-  ``dot_general``, ``x @ y.T`` by hand), and its batched form (8 batches of n/4 x 32).
+  ``dot_general``, ``x @ y.T`` by hand), its batched form (8 batches of n/4 x 32), and the gradient
+  of ``sum(w * tanh(...))`` in x and y at n/3 points (JAX's backward pass of the written form builds
+  n/3 x n/3 x 64 products; the rewritten one two ``dot_general`` s).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def workloads(n: int):
 
     A, B = normal(n, n), normal(n, n)
     x, y = normal(n, 64), normal(n, 64)
-    quarter = max(n // 4, 4)
+    quarter, third = max(n // 4, 4), max(n // 3, 4)
     xb, yb = normal(8, quarter, 32), normal(8, quarter, 32)
     return [
         ("diag(A@B)", lambda A, B: jnp.diag(A @ B), lambda A, B: jnp.einsum("ik,ki->i", A, B), (A, B)),
@@ -53,7 +55,18 @@ def workloads(n: int):
          lambda x, y: x @ y.T, (x, y)),
         ("batched broadcast-multiply-sum", lambda x, y: (x[:, :, None, :] * y[:, None, :, :]).sum(-1),
          lambda x, y: jnp.einsum("bnd,bmd->bnm", x, y), (xb, yb)),
+        ("grad of broadcast-multiply-sum", jax.grad(_bms_loss, (0, 1)), jax.grad(_bms_loss_by_hand, (0, 1)),
+         (x[:third], y[:third], normal(third, third))),
     ]
+
+
+def _bms_loss(x, y, w):
+    """A loss of a broadcast-multiply-sum: JAX's backward pass builds n x n x d products."""
+    return jnp.sum(w * jnp.tanh((x[:, None, :] * y[None, :, :]).sum(-1)))
+
+
+def _bms_loss_by_hand(x, y, w):
+    return jnp.sum(w * jnp.tanh(x @ y.T))
 
 
 def best_of(fn, args, repeat: int = 5, budget_s: float = 1.0) -> float:
@@ -74,9 +87,9 @@ def temp_bytes(jitted, args) -> int:
 def measure(name, fun, by_hand, args, repeat, budget) -> dict:
     args = tuple(jax.device_put(a) for a in args)
     plain, ours, hand = jax.jit(fun), hlopass.jit(fun), jax.jit(by_hand)  # hlopass: nothing set
-    report = ours.trace(*args).report
-    want = np.ravel(np.asarray(plain(*args), np.float64))
-    got = np.ravel(np.asarray(ours(*args), np.float64))
+    reports = hlopass.reports(ours, *args)  # the backward programs too, for a gradient
+    want = np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree_util.tree_leaves(plain(*args))])
+    got = np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree_util.tree_leaves(ours(*args))])
     row = {
         "workload": name,
         "shapes": " ".join("x".join(map(str, a.shape)) for a in args),
@@ -88,7 +101,7 @@ def measure(name, fun, by_hand, args, repeat, budget) -> dict:
         "temp_hlopass_bytes": temp_bytes(ours, args),
         "temp_by_hand_bytes": temp_bytes(hand, args),
         "max_rel_diff": float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)),
-        "rewrites": [f"{r.pass_name}:{r.kind}" for r in report.rewrites],
+        "rewrites": [f"{r.pass_name}:{r.kind}" for report in reports for r in report.rewrites],
     }
     row["speedup_vs_jax_jit"] = row["jax_jit_s"] / row["hlopass_s"]
     row["hlopass_vs_by_hand"] = row["hlopass_s"] / row["by_hand_s"]

@@ -455,6 +455,8 @@ class Expander:
                     result = fn(self, eqn, scope, position, labels)
                     if len(result.monomials) > self.limits.max_terms:
                         raise NoMatch(f"expansion has more than {self.limits.max_terms} terms")
+                    if scope.is_top and len(result.monomials) > 1 and self._reads_full_size(result, labels):
+                        raise NoMatch("a sum whose every term reads a tensor of its own size: nothing to expand")
                 except NoMatch as reason:
                     if not scope.is_top:
                         raise
@@ -466,6 +468,20 @@ class Expander:
                         self.internal.setdefault(atom, Internal(atom, index, aval_nbytes(atom.aval), eqn.primitive.name))
                     return result
         return self._leaf(atom, scope, labels)
+
+    def _reads_full_size(self, e: Expansion, labels: tuple) -> bool:
+        """Whether every monomial of ``e`` (the value at ``labels``) has a factor indexed by all of
+        ``labels``: then the value is no smaller than what its expansion reads, and expanding it
+        only distributes (a leaf is as good and exact)."""
+        own = {lab for lab in labels if lab is not None}
+
+        def full(f: Factor) -> bool:
+            if is_difference(f):
+                d = self.differences[difference_index(f)]
+                return own <= set(d.a_labels) or own <= set(d.b_labels)
+            return own <= set(f.labels)
+
+        return bool(own) and all(any(full(f) for f in m.factors) for m in e.monomials)
 
     def operand(self, eqn, scope, k: int, labels: tuple) -> Expansion:
         """Expansion of ``eqn.invars[k]`` for an elementwise ``eqn`` whose output axes carry ``labels``.

@@ -36,11 +36,12 @@ def test_bench_exact_rewrites_tiny(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "speedup" in done.stdout and "diag(A@B)" in done.stdout and "HLOPASS_* unset: True" in done.stdout
     rows = {r["workload"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 5
+    assert len(rows) == 6
     kinds = {"diag(A@B)": "algebraic:diagonal_of_product", "trace(A@B)": "algebraic:trace_of_product",
              "sum(eye*(A@B))": "algebraic:trace_of_product",
              "(x[:,None]*y[None]).sum(-1)": "algebraic:contraction",
              "batched broadcast-multiply-sum": "algebraic:contraction"}
+    assert rows["grad of broadcast-multiply-sum"]["rewrites"] == ["algebraic:contraction"] * 3
     for name, kind in kinds.items():
         assert rows[name]["rewrites"] == [kind], rows[name]
         assert rows[name]["max_rel_diff"] < 1e-5
