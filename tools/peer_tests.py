@@ -4,7 +4,8 @@
     python tools/peer_tests.py --files reducers,einsum -k "testEinsum" --json out.json
     python tools/peer_tests.py --files lax --no-baseline --threshold 8
 
-The test files are read from ``../shared/peer-tests/jax-0.10.2/`` (``--peer-dir``, or ``HLOPASS_PEER_DIR``);
+The test files are read from ``shared/peer-tests/jax-0.10.2/`` beside the repository (or a folder above it;
+``--peer-dir``, or ``HLOPASS_PEER_DIR``);
 they need ``absl-py`` (``bash tools/test.sh`` installs it). Each file runs in its own pytest process
 (``--jobs`` at a time) with this module as a plugin: ``jax.jit`` and ``jax._src.api.jit`` called from a
 test module or from ``jax._src.test_util`` (``_CompileAndCheck``, ``check_grads``'s helpers) become
@@ -56,7 +57,14 @@ ENV_EAGER = "HLOPASS_PEER_EAGER"          # "1" (default): eager jnp.*/lax.* cal
 
 
 def default_peer_dir() -> Path:
-    return Path(os.environ.get("HLOPASS_PEER_DIR", ROOT.parent.parent / "shared" / "peer-tests" / "jax-0.10.2"))
+    """``HLOPASS_PEER_DIR``, else ``shared/peer-tests/jax-0.10.2`` beside the repository or a folder above it."""
+    if os.environ.get("HLOPASS_PEER_DIR"):
+        return Path(os.environ["HLOPASS_PEER_DIR"])
+    for parent in ROOT.parents:
+        candidate = parent / "shared" / "peer-tests" / "jax-0.10.2"
+        if candidate.exists():
+            return candidate
+    return ROOT.parent / "shared" / "peer-tests" / "jax-0.10.2"
 
 
 # ------------------------------------------------------------------------------------- the plugin
@@ -107,7 +115,8 @@ def install() -> None:
 #: jnp/lax names whose eager calls are not routed: they return dtypes, shapes or Python values.
 NOT_ROUTED = {"issubdtype", "result_type", "promote_types", "can_cast", "iinfo", "finfo", "shape", "ndim", "size",
               "isscalar", "iscomplexobj", "isrealobj", "dtype", "isdtype", "broadcast_shapes", "get_printoptions",
-              "printoptions", "set_printoptions", "load", "save", "savez", "frompyfunc", "vectorize"}
+              "printoptions", "set_printoptions", "load", "save", "savez", "frompyfunc", "vectorize",
+              "einsum_path"}
 
 
 class _Routed:

@@ -14,7 +14,8 @@ outputs, so one compile serves many programs:
 Values are compared with dtype-aware tolerances relative to the largest finite reference magnitude,
 NaN and infinities where they are, integers and indices exactly. A batch that raises is re-run one
 program at a time to find the culprit. Reproduce a failure with
-``python -m tests.fuzz.runner --seeds SEED [--program INDEX] -v``.
+``python -m tests.fuzz.runner --seeds SEED [--program INDEX] -v`` (``--no-exclusions`` to draw the
+programs of known defects too).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -38,7 +40,7 @@ import hlopass.call
 from tests.fuzz.exclusions import excluded
 from tests.fuzz.programs import Program, RandomDraw, draw_program, float_inputs, linear_loss
 
-MODES = ["value", "value", "value", "vmap_in", "vmap_out", "grad_in", "grad_out", "grad_out"]
+MODES = ["value", "value", "value", "value", "vmap_in", "vmap_out", "grad_in", "grad_out"]
 THRESHOLDS = [8_000, 12_000, 16_000, 24_000, 32_000, 64_000, 128_000, 256_000]
 #: Tolerance relative to the largest finite magnitude of the reference leaf.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-4, "float16": 2e-2, "bfloat16": 8e-2}
@@ -55,13 +57,15 @@ SELECTIONS = ("reduce:max", "reduce:min", "reduce:top_k", "post:sort", "post:top
 def well_posed(program: Program, mode: str) -> bool:
     """Whether comparing ``program`` in ``mode`` can only fail for a wrong rewrite.
 
-    Not so: gradients of 16-bit programs through a selection (a reordered float16 sum picks
-    another of two near-equal maxima, and the gradient lands on another entry), and gradients of
+    Not so: gradients through a selection of inexact values (a reordered sum picks another of two
+    near-equal maxima, or sorts them the other way, and the gradient lands on another entry; on the
+    integer grid, float32 and float64 values are exact and ties are real ties), and gradients of
     ``sqrt`` near zero off the integer grid (a value rounded to 1e-8 instead of 0 has derivative 5e3
     instead of 0): the derivative is discontinuous or unbounded there, rounding decides.
     """
     gradient = mode.startswith("grad") or program.has("wrap:grad")
-    if gradient and program.dtype in ("float16", "bfloat16") and any(program.has(s) for s in SELECTIONS):
+    if gradient and any(program.has(s) for s in SELECTIONS) and (
+            not program.grid or program.dtype in ("float16", "bfloat16")):
         return False
     if gradient and program.has("map:safe_sqrt") and (not program.grid or program.dtype in ("float16", "bfloat16")):
         return False
@@ -83,8 +87,9 @@ class Batch:
                 f"x64={self.x64}")
 
 
-def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None) -> Batch:
-    """The batch of ``seed`` (deterministic); ``only`` keeps one program (same draws)."""
+def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None, exclusions: bool = True) -> Batch:
+    """The batch of ``seed`` (deterministic); ``only`` keeps one program (same draws);
+    ``exclusions=False`` draws the known-failing programs too (to reproduce a defect)."""
     r = RandomDraw(f"batch/{seed}")
     threshold = r.choice(THRESHOLDS)
     split_size = max(1, threshold // r.choice([1, 1, 2, 4, 8]))
@@ -99,7 +104,7 @@ def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None) -> Batch:
             program = draw_program(RandomDraw(f"{seed}/{i}/{attempt}"), threshold, label=f"{seed}/{i}", x64=x64)
             if not well_posed(program, mode):
                 continue
-            hit = excluded(program, mode)
+            hit = excluded(program, mode) if exclusions else None
             if hit is None:
                 break
             hits[hit] += 1
@@ -266,17 +271,41 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
 
 def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "") -> dict:
     index = program.label.split("/")[-1] if program else None
-    repro = f"python -m tests.fuzz.runner --seeds {batch.seed}" + (f" --program {index}" if index else "") + " -v"
+    repro = (f"python -m tests.fuzz.runner --seeds {batch.seed} --size {BATCH_SIZE}"
+             + (f" --program {index}" if index else "") + " -v")
     return {"batch": batch.header(), "program": repr(program) if program else None, "problem": problem,
             "pieces": list(program.pieces) if program else [], "reproduce": repro, "traceback": trace}
 
 
-def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: bool = False) -> dict:
+#: XLA flag the CI workers use to halve compile time; a failure seen with it is re-run without it
+#: (in a child process) and counts only if it happens there too.
+FAST_FLAG = "--xla_backend_optimization_level=0"
+
+
+def recheck_with_default_flags(seed, size, only, exclusions) -> set:
+    """``(program, what)`` of the failures of batch ``seed`` under XLA's default flags."""
+    import subprocess
+    import tempfile
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_FLAG, "").strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "recheck.json")
+        cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", str(seed), "--size", str(size), "--json", out]
+        cmd += ([] if only is None else ["--program", str(only)]) + ([] if exclusions else ["--no-exclusions"])
+        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
+        if not os.path.exists(out):
+            return {(None, "recheck died")}
+        with open(out) as fh:
+            return {(f["program"], f["problem"].split(":")[0]) for f in json.load(fh)["failures"]}
+
+
+def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: bool = False,
+              exclusions: bool = True) -> dict:
     total = {"seeds": [str(s) for s in seeds], "programs": 0, "rewrites": collections.Counter(), "failures": [],
-             "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter()}
+             "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter(),
+             "fast_flag_only": []}
     start = time.perf_counter()
     for seed in seeds:
-        batch = draw_batch(seed, size, only)
+        batch = draw_batch(seed, size, only, exclusions)
         if verbose:
             print(batch.header())
             for p in batch.programs:
@@ -288,13 +317,21 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
         total["programs"] += result["programs"]
         total["rewrites"].update(result["rewrites"])
         total["excluded"].update(result["excluded"])
-        total["failures"].extend(result["failures"])
+        if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
+            confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions)
+            for f in result["failures"]:
+                (total["failures"] if (f["program"], f["problem"].split(":")[0]) in confirmed
+                 else total["fast_flag_only"]).append(f)
+        else:
+            total["failures"].extend(result["failures"])
         total["modes"][batch.mode] += result["programs"]
         if verbose:
             print(f"  {time.perf_counter() - t0:.1f} s, rewrites {dict(result['rewrites'])}")
             for f in result["failures"]:
                 print(f"  FAIL {f['program']}\n       {f['problem']}\n{f['traceback']}")
     total["seconds"] = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total["cpu_seconds"] = usage.ru_utime + usage.ru_stime
     return total
 
 
@@ -315,15 +352,18 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=BATCH_SIZE, help="programs per batch")
     parser.add_argument("--program", type=int, default=None, help="run only this program of each batch")
     parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--no-exclusions", dest="exclusions", action="store_false",
+                        help="also draw the programs tests/fuzz/exclusions.py leaves out (known defects)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HLOPASS_RAISE_PASS_ERRORS", "1")
     os.environ.setdefault("HLOPASS_CHECK_PASSES", "1")
-    total = run_seeds(_parse_seeds(args.seeds), args.size, args.program, args.verbose)
+    total = run_seeds(_parse_seeds(args.seeds), args.size, args.program, args.verbose, args.exclusions)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(total, fh)
-    print(f"{total['programs']} programs in {total['batches']} batches, {total['seconds']:.0f} s, "
+    print(f"{total['programs']} programs in {total['batches']} batches, {total['seconds']:.0f} s "
+          f"({total['cpu_seconds']:.0f} CPU s), {len(total['fast_flag_only'])} differences only at {FAST_FLAG}, "
           f"{len(total['failures'])} failures; rewrites: {dict(total['rewrites'])}")
     return 1 if total["failures"] else 0
 

@@ -38,9 +38,10 @@ FIXED_SEEDS = [str(s) for s in range(150)]
 REGRESSION_SEEDS: list[str] = []
 FRESH_SEEDS = 110
 MIN_PROGRAMS = 2000
-#: XLA's backend optimisation does not change what is compared (both sides compile alike) and
-#: halves compile time, which is most of the fuzzer's cost.
-WORKER_XLA_FLAGS = "--xla_backend_optimization_level=0"
+#: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
+#: most of the fuzzer's cost. A difference seen so is re-run with the default flags and counts only
+#: if it is there too (one program once differed only at level 0: runner.recheck_with_default_flags).
+WORKER_XLA_FLAGS = runner.FAST_FLAG
 
 
 def _seeds() -> tuple[list[str], list[str]]:
@@ -67,7 +68,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         procs.append((out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, text=True)))
     total = {"programs": 0, "failures": [], "rewrites": collections.Counter(), "excluded": collections.Counter(),
-             "modes": collections.Counter()}
+             "modes": collections.Counter(), "fast_flag_only": []}
     logs = []
     for out, proc in procs:
         log, _ = proc.communicate(timeout=1800)
@@ -77,6 +78,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         part = json.loads(out.read_text())
         total["programs"] += part["programs"]
         total["failures"] += part["failures"]
+        total["fast_flag_only"] += part["fast_flag_only"]
         for key in ("rewrites", "excluded", "modes"):
             total[key].update(part[key])
     seconds = time.perf_counter() - start
@@ -87,6 +89,8 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         "rewrites fired: " + ", ".join(f"{k} {v}" for k, v in sorted(total["rewrites"].items(), key=lambda kv: -kv[1])),
         "programs redrawn by known-defect exclusions: "
         + (", ".join(f"{k} {v}" for k, v in sorted(total["excluded"].items())) or "none"),
+        f"differences seen only at {runner.FAST_FLAG} (not failures): {len(total['fast_flag_only'])}"
+        + "".join(f"\n  {f['program']}: {f['problem']} ({f['reproduce']})" for f in total["fast_flag_only"]),
         f"fresh seeds this run: {','.join(fresh) or '-'}",
     ]
     if total["failures"]:
