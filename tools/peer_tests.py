@@ -134,13 +134,32 @@ class _Routed:
         import numpy as np
         from jax._src import core
 
-        import hlopass
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(x, core.Tracer) for x in flat):
             return self._fn(*args, **kwargs)         # inside a trace: the enclosing jit sees it
-        dynamic = [i for i, x in enumerate(flat) if isinstance(x, (np.ndarray, jax.Array)) and x.dtype != object]
-        if not dynamic:
+        arrays = [i for i, x in enumerate(flat) if isinstance(x, (np.ndarray, jax.Array)) and x.dtype != object]
+        if not arrays:
             return self._fn(*args, **kwargs)
+        try:
+            return self._staged(flat, tree, arrays)
+        except (TypeError, jax.errors.ConcretizationTypeError) as err:
+            if "not a valid JAX type" in str(err):   # returns a Python value, not arrays
+                return self._fn(*args, **kwargs)
+            # a NumPy integer array that the function needs as a concrete value (split sizes, a
+            # shape): close over NumPy integer arrays, as a user would with static_argnums
+            concrete = [i for i in arrays if not (isinstance(flat[i], np.ndarray)
+                                                  and np.issubdtype(flat[i].dtype, np.integer))]
+            if concrete == arrays:
+                raise
+            try:
+                return self._staged(flat, tree, concrete)
+            except Exception:
+                raise err from None
+
+    def _staged(self, flat, tree, dynamic):
+        import jax
+
+        import hlopass
         fn = self._fn
 
         def staged(*values):
@@ -151,13 +170,8 @@ class _Routed:
             return fn(*a, **k)
         staged.__name__ = self._name
         threshold = os.environ.get(ENV_THRESHOLD, "1")
-        try:
-            return hlopass.jit(staged, threshold=threshold, split_size=os.environ.get(ENV_SPLIT, threshold))(
-                *[flat[i] for i in dynamic])
-        except TypeError as err:
-            if "not a valid JAX type" in str(err):   # returns a Python value, not arrays
-                return self._fn(*args, **kwargs)
-            raise
+        return hlopass.jit(staged, threshold=threshold, split_size=os.environ.get(ENV_SPLIT, threshold))(
+            *[flat[i] for i in dynamic])
 
 
 class _RoutedModule:

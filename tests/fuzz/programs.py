@@ -140,6 +140,7 @@ class Program:
     grid: bool                       # inputs on a coarse integer grid: exact sums, many ties
     specials: str                    # "", "nan", "inf" or "nan+inf" in the data inputs
     indices: bool                    # has index outputs
+    exact: bool = False              # grid inputs and only exact pieces: every value is exact
     batch_axis: int | None = None    # a wrap piece's leading axis on every input
 
     def __repr__(self) -> str:
@@ -252,7 +253,7 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
         return f_expand(_chain(x_fns, args[x_id], args), _chain(y_fns, args[y_id], args), args)
 
     maps = []
-    for _ in range(r.choice([0, 1, 1, 2, 3])):
+    for _ in range(r.choice([0, 1, 1, 2])):
         current = _aval(lambda *a: _chain(maps, large(a), a), ctx.inputs)
         p = _pick(r, "map", dtype, len(current.shape), only_exact=only_exact)
         f, desc = p.make(r, ctx, current)
@@ -274,7 +275,7 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
         return f_reduce(_chain(maps, large(args), args), args)
 
     posts = []
-    for _ in range(r.choice([0, 0, 1, 1, 2])):
+    for _ in range(r.choice([0, 0, 0, 1, 1, 2])):
         main = _aval(lambda *a: _chain(posts, reduced(a)[0], a), ctx.inputs)
         if not main.shape:
             break
@@ -289,7 +290,7 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
         return (_chain(posts, outs[0], args),) + tuple(outs[1:])
 
     batch_axis = None
-    if allow_wrap and r.boolean(0.35):
+    if allow_wrap and r.boolean(0.3):
         table = [p for p in PIECES["wrap"].values() if dtype in p.dtypes]
         wrap = r.weighted(table, [p.weight for p in table])
         wrap_fn, batch_axis, desc = wrap.make(r, ctx)
@@ -304,7 +305,8 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
                    + " | ".join(notes))
     return Program(label=label, dtype=dtype, pieces=tuple(pieces), description=description, inputs=ctx.inputs,
                    fn=program, input_seed=r.integer(0, 2**31 - 1), grid=grid, specials=specials,
-                   indices=reducer.indices, batch_axis=batch_axis)
+                   indices=reducer.indices, batch_axis=batch_axis,
+                   exact=grid and all(PIECES[p.split(":")[0]][p.split(":")[1]].exact for p in pieces))
 
 
 def _chain(fns, value, args):

@@ -44,6 +44,9 @@ MODES = ["value", "value", "value", "value", "vmap_in", "vmap_out", "grad_in", "
 THRESHOLDS = [8_000, 12_000, 16_000, 24_000, 32_000, 64_000, 128_000, 256_000]
 #: Tolerance relative to the largest finite magnitude of the reference leaf.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-4, "float16": 2e-2, "bfloat16": 8e-2}
+#: Gradients sum hundreds of terms, and an expanded distance's gradient cancels (x·Σg − Σg·y): float32
+#: gradients get this tolerance instead.
+GRADIENT_TOLERANCE_FLOAT32 = 1e-3
 BATCH_SIZE = 8
 #: Lines the test run prints at its end (tests/fuzz/conftest.py).
 SUMMARY_LINES: list[str] = []
@@ -61,9 +64,13 @@ def well_posed(program: Program, mode: str) -> bool:
     near-equal maxima, or sorts them the other way, and the gradient lands on another entry; on the
     integer grid, float32 and float64 values are exact and ties are real ties), and gradients of
     ``sqrt`` near zero off the integer grid (a value rounded to 1e-8 instead of 0 has derivative 5e3
-    instead of 0): the derivative is discontinuous or unbounded there, rounding decides.
+    instead of 0): the derivative is discontinuous or unbounded there, rounding decides. Nor
+    gradients of 16-bit programs off the integer grid or through transcendental functions: rounding
+    at 8 to 11 bits inside sums of hundreds of terms decides them (their values are still compared).
     """
     gradient = mode.startswith("grad") or program.has("wrap:grad")
+    if gradient and program.dtype in ("float16", "bfloat16") and not program.exact:
+        return False
     if gradient and any(program.has(s) for s in SELECTIONS) and (
             not program.grid or program.dtype in ("float16", "bfloat16")):
         return False
@@ -183,7 +190,7 @@ def execute(batch: Batch):
     return got, want, reports, float_pos, offsets, mode
 
 
-def compare(got, want, where: str = "", dtype: str = "float64") -> str | None:
+def compare(got, want, where: str = "", dtype: str = "float64", gradient: bool = False) -> str | None:
     """``None`` when ``got`` matches ``want``, else what differs. Float leaves get the tolerance of
     their own dtype or of the program's ``dtype``, whichever is looser (a float32 loss of float16
     values carries float16 rounding)."""
@@ -219,7 +226,8 @@ def compare(got, want, where: str = "", dtype: str = "float64") -> str | None:
         scale = max(float(np.max(np.abs(w64[finite]))), 1e-30)
         ok = finite & ~near_max
         err = np.abs(g64[ok] - w64[ok])
-        tol = max(TOLERANCE[w.dtype.name], TOLERANCE.get(dtype, 0.0)) * scale
+        tol = max(TOLERANCE[w.dtype.name], TOLERANCE.get(dtype, 0.0),
+                  GRADIENT_TOLERANCE_FLOAT32 if gradient else 0.0) * scale
         if err.size and float(err.max()) > tol:
             i = int(np.argmax(err))
             return f"{name}: max error {err.max():.3g} > {tol:.3g} (scale {scale:.3g}; " \
@@ -256,12 +264,12 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
     if mode.startswith("grad"):
         (got, grads_got), (want, grads_want) = got, want
     for i, program in enumerate(batch.programs):
-        problem = compare(got[i], want[i], "values", program.dtype)
+        problem = compare(got[i], want[i], "values", program.dtype, gradient=program.has("wrap:grad"))
         if problem is None and grads_got is not None:
             for j, k in enumerate(float_pos):
                 if offsets[i] <= k < offsets[i + 1]:
                     problem = compare(grads_got[j], grads_want[j], f"d/d input {k - offsets[i]}",
-                                      program.dtype)
+                                      program.dtype, gradient=True)
                     if problem:
                         break
         if problem:
