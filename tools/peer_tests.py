@@ -19,6 +19,9 @@ or cumulative op whose result is smaller than its operand seeds a split, cut int
 report of every pipeline run is counted per test, so the summary says how many tests had at least
 one rewrite, by pass and kind.
 
+Passes run with ``HLOPASS_RAISE_PASS_ERRORS=1`` and ``HLOPASS_CHECK_PASSES=1``: a pass that fails fails
+the test (by default hlopass would skip the pass and log it).
+
 **Triage.** A test that fails with hlopass is re-run without it (``--no-baseline`` skips this); a failure
 that also happens without hlopass is JAX's or the machine's, not ours. The rest is sorted into
 categories by the failure text: tests of ``jax.jit`` internals (private attributes and stages, trace or
@@ -268,7 +271,7 @@ CATEGORIES = [
      r"DID NOT RAISE|not raised|Exception not raised"),
     ("defect: values differ from jax.jit's", False,
      r"Not equal to tolerance|not almost equal|Arrays are not equal|Mismatched elements|mismatch"),
-    ("defect: a pass failed (HLOPASS_RAISE_PASS_ERRORS)", False, r"hlopass/|passes/"),
+    ("defect: a pass failed (HLOPASS_RAISE_PASS_ERRORS)", False, r"passes/\w+/\w+\.py|hlopass/pipeline\.py"),
     ("defect: other", False, r""),
 ]
 
@@ -285,8 +288,6 @@ def run(files: list[str], peer_dir: Path, selection: str | None, jobs: int, base
         split_size: str, timeout: float, workdir: Path) -> dict:
     """Run ``files`` with routing on; returns outcomes, rewrite counts and the triage."""
     extra = {ENV_THRESHOLD: threshold, ENV_SPLIT: split_size}
-    results: dict[str, dict] = {}
-    stats: dict[str, dict] = {}
     seconds: dict[str, float] = {}
     pending = list(files)
     running: list = []
@@ -298,6 +299,7 @@ def run(files: list[str], peer_dir: Path, selection: str | None, jobs: int, base
         env.update(extra)
         env[ENV_ROUTE] = "1"
         env[ENV_STATS] = str(stat)
+        env.update(HLOPASS_RAISE_PASS_ERRORS="1", HLOPASS_CHECK_PASSES="1")  # a failing pass fails the test
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tools"), str(ROOT), env.get("PYTHONPATH", "")])
         env.setdefault("JAX_NUM_GENERATED_CASES", "3")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "peer_tests", "--rootdir",
@@ -317,12 +319,24 @@ def run(files: list[str], peer_dir: Path, selection: str | None, jobs: int, base
                 proc.kill()
             running.remove(item)
             seconds[name] = time.perf_counter() - start
-            for key, value in _outcomes(junit).items():
-                results[f"{name}:{key}"] = value
-            if stat.exists():
-                for nodeid, counts in json.loads(stat.read_text()).items():
-                    stats[f"{name}:{nodeid}"] = counts
 
+    return summarise(files, peer_dir, selection, baseline, threshold, split_size, timeout, workdir, seconds)
+
+
+def summarise(files, peer_dir: Path, selection, baseline: bool, threshold: str, split_size: str, timeout: float,
+              workdir: Path, seconds: dict | None = None) -> dict:
+    """Read the JUnit reports and rewrite counts in ``workdir``, re-run failures without hlopass, triage."""
+    seconds = seconds or {}
+    results: dict[str, dict] = {}
+    stats: dict[str, dict] = {}
+    files = [name for name in files if (workdir / f"{name}.xml").exists()]
+    for name in files:
+        for key, value in _outcomes(workdir / f"{name}.xml").items():
+            results[f"{name}:{key}"] = value
+        stat = workdir / f"{name}.stats.json"
+        if stat.exists():
+            for nodeid, counts in json.loads(stat.read_text()).items():
+                stats[f"{name}:{nodeid}"] = counts
     failed = {k: v for k, v in results.items() if v["outcome"] == "failed"}
     if baseline and failed:
         by_file = collections.defaultdict(list)
@@ -369,7 +383,7 @@ def markdown(summary: dict, command: str) -> str:
              f"Machine: 2 shared CPU cores; {time.strftime('%Y-%m-%d')}.", "",
              "| file | passed | failed | skipped | seconds |", "|---|---|---|---|---|"]
     for name in summary["files"]:
-        c = summary["per_file"][name]
+        c = summary["per_file"].get(name, {})
         lines.append(f"| {FILES[name]} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('skipped', 0)} | "
                      f"{summary['seconds'].get(name, 0):.0f} |")
     lines += ["", f"Tests in which at least one rewrite fired: {summary['tests_with_rewrites']}. "
@@ -399,6 +413,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per file")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false")
     parser.add_argument("--peer-dir", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the JUnit reports here; with --summarise-only, read them from here")
+    parser.add_argument("--summarise-only", action="store_true", help="triage the reports already in --workdir")
     parser.add_argument("--json", type=Path, default=None, help="write the summary as JSON")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="write the summary as markdown (default for a full run: tools/results/peer_tests.md)")
@@ -412,9 +429,16 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: --files: unknown {unknown}; choose from {', '.join(FILES)}", file=sys.stderr)
         return 2
+    split_size = args.split_size or args.threshold
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(files, peer_dir, args.selection, args.jobs, args.baseline, args.threshold,
-                      args.split_size or args.threshold, args.timeout, Path(tmp))
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if args.summarise_only:
+            summary = summarise(files, peer_dir, args.selection, args.baseline, args.threshold, split_size,
+                                args.timeout, workdir)
+        else:
+            summary = run(files, peer_dir, args.selection, args.jobs, args.baseline, args.threshold, split_size,
+                          args.timeout, workdir)
     command = "python tools/peer_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
