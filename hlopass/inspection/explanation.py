@@ -93,4 +93,4 @@ def reports(fun, *args, **kwargs) -> list[PipelineReport]:
     """
     closed = jax.make_jaxpr(fun)(*args, **kwargs)
     return [run_pipeline(e.params["jaxpr"], e.params["config"], e.params["name"], e.params["notes"]).report
-            for e in iter_eqns(closed) if e.primitive is hlopass_call_p]
+            for e in iter_eqns(closed, into_own_programs=True) if e.primitive is hlopass_call_p]
