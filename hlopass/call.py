@@ -34,6 +34,7 @@ blocked the bound.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
@@ -143,8 +144,23 @@ def settle(result: PipelineResult, name: str) -> None:
     _enforce(result)
 
 
+#: While set (:func:`inspecting`), lowering rules measure but neither warn nor raise.
+_inspecting: contextvars.ContextVar = contextvars.ContextVar("hlopass_inspecting", default=False)
+
+
+@contextlib.contextmanager
+def inspecting():
+    """Lower hlopass programs for inspection (``hlopass.explain``): checks are made and recorded in
+    the reports, but the caller reports them; nothing warns or raises."""
+    token = _inspecting.set(True)
+    try:
+        yield
+    finally:
+        _inspecting.reset(token)
+
+
 def _enforce(result: PipelineResult) -> None:
-    if result.check is None:
+    if result.check is None or _inspecting.get():
         return
     if result.config.strict:
         enforce(result.check, True)
@@ -532,8 +548,7 @@ class CheckedJit:
             return self.jitted(*args, **kwargs)
         params, args_flat = pjit._infer_params(self.jitted._fun, self.jitted._jit_info, args, kwargs)
         closed = params.params["jaxpr"]
-        outs = core.eval_jaxpr(closed.jaxpr, closed.consts, *args_flat)
-        return tree_unflatten(params.out_tree, outs)
+        return tree_unflatten(params.out_tree, _bind_here(closed, args_flat))
 
     def check(self, args, kwargs) -> tuple[MemoryCheck, Callable]:
         """Lower and compile for these arguments, measure, keep the better program if the passes
@@ -600,6 +615,22 @@ def checked_primitive_call(jaxpr: core.ClosedJaxpr, config, name: str, notes: tu
         checked = per_config[key] = CheckedJit(_evaluator(result.jaxpr, name), {}, config, name, plain=plain,
                                                result=result)
     return checked
+
+
+def _bind_here(closed: core.ClosedJaxpr, args) -> list:
+    """Evaluate ``closed`` in the current trace, each equation under the caller's source line (as
+    jax.jit's own equation would be), not under the line recorded when it was traced."""
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+
+    def read(atom):
+        return atom.val if isinstance(atom, core.Literal) else env[atom]
+
+    for eqn in closed.jaxpr.eqns:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return [read(v) for v in closed.jaxpr.outvars]
 
 
 def _evaluator(closed: core.ClosedJaxpr, name: str) -> Callable:

@@ -72,7 +72,7 @@ def check_keywords(overrides: Mapping[str, object]) -> None:
     if "passes" in overrides:
         resolve_passes(overrides["passes"], "passes")
     if "dump_to" in overrides:
-        _parse_dump_to(overrides["dump_to"], "dump_to")
+        check_folder(overrides["dump_to"], "dump_to")
     if "strict" in overrides:
         _parse_bool(overrides["strict"], "strict")
     if "min_gain" in overrides:
@@ -115,7 +115,7 @@ def resolve(overrides: Mapping[str, object] | None = None, environ: Mapping[str,
         split_size = _parse_positive_size(raw, split_name)
         if split_size is not None and threshold is None:
             raise ConfigError(f"{split_name}={raw!r} is set but the threshold is off; set {ENV_THRESHOLD} "
-                              "(or threshold=) too")
+                              f"(or threshold=) too; accepted forms: {POSITIVE_SIZE_FORMS}, at most the threshold")
         if split_size is None:
             split_size = threshold
         _check_split(threshold, split_size, raw, split_name)
@@ -124,7 +124,7 @@ def resolve(overrides: Mapping[str, object] | None = None, environ: Mapping[str,
     passes = resolve_passes(None if raw is _UNSET else raw, name)
 
     raw, name = pick("dump_to")
-    dump_to = None if raw is _UNSET else _parse_dump_to(raw, name)
+    dump_to = None if raw is _UNSET else check_folder(raw, name)
 
     raw, name = pick("strict")
     strict = False if raw is _UNSET else _parse_bool(raw, name)
@@ -162,7 +162,7 @@ def _parse_positive_size(value, setting: str) -> int | None:
 def _check_split(threshold, split_size, raw, setting: str) -> None:
     if split_size is not None and threshold is not None and split_size > threshold:
         raise ConfigError(f"{setting}={raw!r} is larger than the threshold ({threshold} bytes); "
-                          "the split size must be at most the threshold")
+                          f"accepted forms: {POSITIVE_SIZE_FORMS}, at most the threshold")
 
 
 def _parse_bool(value, setting: str) -> bool:
@@ -177,8 +177,9 @@ def _parse_bool(value, setting: str) -> bool:
                       f"{', '.join(_TRUE)} or {', '.join(repr(f) for f in _FALSE)}")
 
 
-def _parse_dump_to(value, setting: str) -> str | None:
-    """A usable dump folder: an existing folder, or a path that can be created under one."""
+def check_folder(value, setting: str) -> str | None:
+    """``value`` as a usable folder path (``None`` for empty): an existing folder, or a path that can
+    be created under one. Raises ``ConfigError`` naming ``setting`` otherwise."""
     if value is None or value == "":
         return None
     if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
