@@ -20,7 +20,8 @@ _api.compile_listeners.append(_dump_on_compile)
 
 __all__ = [
     "jit", "explain", "reports", "HlopassFunction", "Explanation", "Config", "resolve_config", "ConfigError",
-    "ConfigWarning", "MemoryLimitError", "Pass", "register_pass", "available_passes", "Note", "PassReport", "PipelineReport",
+    "ConfigWarning", "MemoryLimitError", "Pass", "register_pass", "available_passes", "Note", "PassReport",
+    "PipelineReport",
     "Rewrite", "Skip", "parse_size", "format_size",
 ]
 __version__ = "0.1.0"

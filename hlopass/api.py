@@ -39,7 +39,7 @@ _JAX_JIT_KEYWORDS = tuple(name for name, p in inspect.signature(jax.jit).paramet
 
 def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: Any = None,
         memory_limit: Any = None, passes: Any = None, dump_to: Any = None, strict: Any = None,
-        min_gain: Any = None, **jit_kwargs):
+        min_gain: Any = None, never_worse: Any = None, **jit_kwargs):
     """Like ``jax.jit``, with hlopass's passes applied to the traced program.
 
     Accepts everything ``jax.jit`` accepts (``static_argnums``,
@@ -48,8 +48,10 @@ def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: An
     ``split_size``, ``memory_limit`` (sizes such as ``"100MB"`` or bytes;
     ``"off"`` turns one off), ``passes`` (names or a comma-separated string),
     ``dump_to`` (a folder) and ``strict`` (raise ``MemoryLimitError``
-    instead of warning) and ``min_gain`` (the factor by which a reordering of products must cut
-    their multiply-adds). Usable as ``@hlopass.jit`` and ``@hlopass.jit(...)``.
+    instead of warning), ``min_gain`` (the factor by which a reordering of products must cut
+    their multiply-adds) and ``never_worse`` (``False``: run the rewritten program even when the
+    passes could not bound it and XLA says the original needs less). Usable as ``@hlopass.jit``
+    and ``@hlopass.jit(...)``.
 
     The keywords are checked when ``hlopass.jit`` is applied: an unknown keyword or a bad setting is a
     :class:`~hlopass.ConfigError`; bad ``jax.jit`` arguments (``static_argnums`` out of range, a
@@ -57,8 +59,8 @@ def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: An
     function is called.
     """
     overrides = {k: v for k, v in dict(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
-                                       passes=passes, dump_to=dump_to, strict=strict,
-                                       min_gain=min_gain).items() if v is not None}
+                                       passes=passes, dump_to=dump_to, strict=strict, min_gain=min_gain,
+                                       never_worse=never_worse).items() if v is not None}
     unknown = sorted(set(jit_kwargs) - set(_JAX_JIT_KEYWORDS))
     if unknown:
         raise ConfigError(

@@ -26,10 +26,10 @@ against the memory limit once per (program, settings):
   bound on its bytes (:func:`~hlopass.jaxpr_utils.bytes_upper_bound`) is below half the limit, as
   it is for most programs: those pay no second compile.
 
-**Never worse than plain.** When the passes changed a program but could not bound it (values above
-the threshold remain), XLA's figures for the rewritten and the original program decide which one
-runs (:func:`decide`); the report says which was kept, both footprints and compile times, and what
-blocked the bound.
+**Never worse than plain.** When the passes changed a program but could not bound it (temporaries
+remain above the threshold, a Cholesky factor say), XLA's figures for the rewritten and
+the original program decide which one runs (:func:`decide`); the report says which was kept, both
+footprints and compile times, and what blocked the bound.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def _enforce(result: PipelineResult) -> None:
         return
     if result.config.strict:
         enforce(result.check, True)
-    elif not getattr(result, "_warned", False):
-        result._warned = True
+    elif not result.warned:
+        result.warned = True
         enforce(result.check, False)
 
 
@@ -431,7 +431,8 @@ def _dce_rule(used_outputs, eqn):
     if not any(used_outputs) and not pe.has_effects(eqn):
         return [False] * len(eqn.invars), None
     dced_jaxpr, used_inputs = pe._cached_closed_call_dce(eqn.params["jaxpr"], tuple(used_outputs))
-    if all(used_outputs) and all(used_inputs) and len(dced_jaxpr.jaxpr.eqns) == len(eqn.params["jaxpr"].jaxpr.eqns):
+    unchanged = len(dced_jaxpr.jaxpr.eqns) == len(eqn.params["jaxpr"].jaxpr.eqns)
+    if all(used_outputs) and all(used_inputs) and unchanged:
         return used_inputs, eqn  # nothing removed: the same program (its pipeline result is cached by it)
     new_params = dict(eqn.params, jaxpr=dced_jaxpr)
     new_invars = [v for v, used in zip(eqn.invars, used_inputs) if used]
@@ -463,6 +464,7 @@ _UNCOMPARABLE = object()
 
 class _StaticArgumentError(Exception):
     """Tracing failed for a call with static arguments: let jax.jit's call raise its own error."""
+
 
 #: jax.jit keywords that place or lay out data: calls with them always go through jax.jit itself.
 _PLACEMENT_KEYWORDS = frozenset({"in_shardings", "out_shardings", "device", "backend", "compiler_options"})

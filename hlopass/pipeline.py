@@ -59,6 +59,7 @@ class PipelineResult:
         #: the memory check of the program compiled alone, once made (see :mod:`hlopass.call`)
         self.check = None
         self.settled = False
+        self.warned = False
 
     @property
     def original(self) -> core.ClosedJaxpr:
@@ -81,7 +82,8 @@ class PipelineResult:
 
     @functools.cached_property
     def unbounded(self) -> list[tuple[str, int, str]]:
-        """Values of the rewritten program above the threshold (its inputs and outputs aside)."""
+        """Values of the rewritten program above the threshold (its inputs and outputs aside: a
+        temporary as large as an input still adds to what the program holds)."""
         if not self.changed or self.config.threshold is None:
             return []
         return values_above(self._rewritten, self.config.threshold)
@@ -89,7 +91,7 @@ class PipelineResult:
     @property
     def needs_comparison(self) -> bool:
         """Whether XLA's figures must decide between the rewritten and the original program."""
-        return self.changed and bool(self.unbounded)
+        return self.config.never_worse and self.changed and bool(self.unbounded)
 
 
 _cache: "weakref.WeakKeyDictionary[core.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()

@@ -10,6 +10,7 @@ a function is called (traced), keywords overriding it.
 | folder to dump every compiled function to | ``HLOPASS_DUMP_TO`` | ``dump_to=`` |
 | raise instead of warn when over the limit | ``HLOPASS_STRICT`` | ``strict=`` |
 | smallest multiply-add ratio for which products are reordered | ``HLOPASS_MIN_GAIN`` | ``min_gain=`` |
+| keep the original program when the rewritten one is not better | ``HLOPASS_NEVER_WORSE`` | ``never_worse=`` |
 
 Every bad value is a :class:`~hlopass.ConfigError` naming the setting, the value and the accepted
 forms. An ``HLOPASS_*`` environment variable that hlopass does not know (a misspelling) is warned
@@ -36,19 +37,22 @@ ENV_PASSES = "HLOPASS_PASSES"
 ENV_DUMP_TO = "HLOPASS_DUMP_TO"
 ENV_STRICT = "HLOPASS_STRICT"
 ENV_MIN_GAIN = "HLOPASS_MIN_GAIN"
+ENV_NEVER_WORSE = "HLOPASS_NEVER_WORSE"
 #: Picture format of the ``HLOPASS_DUMP_TO`` dumps (read by :mod:`hlopass.inspection.dump`).
 ENV_DUMP_FORMAT = "HLOPASS_DUMP_FORMAT"
 DUMP_FORMATS = ("text", "svg", "png")
 
 #: keyword -> environment variable, for every setting
 SETTINGS = {"threshold": ENV_THRESHOLD, "split_size": ENV_SPLIT_SIZE, "memory_limit": ENV_MEMORY_LIMIT,
-            "passes": ENV_PASSES, "dump_to": ENV_DUMP_TO, "strict": ENV_STRICT, "min_gain": ENV_MIN_GAIN}
+            "passes": ENV_PASSES, "dump_to": ENV_DUMP_TO, "strict": ENV_STRICT, "min_gain": ENV_MIN_GAIN,
+            "never_worse": ENV_NEVER_WORSE}
 #: Environment variables hlopass reads besides the settings.
 OTHER_VARIABLES = (ENV_DUMP_FORMAT, ENV_RAISE, ENV_CHECK)
 
 MIN_GAIN_FORMS = ("a number at least 1: the factor by which a reordering must cut multiply-adds "
                   "(e.g. 1.25; 1 reorders for any gain)")
-POSITIVE_SIZE_FORMS = f"a size of at least 1 byte: {ACCEPTED_FORMS}, or one of {', '.join(OFF_SPELLINGS)} to turn it off"
+POSITIVE_SIZE_FORMS = (f"a size of at least 1 byte: {ACCEPTED_FORMS}, or one of {', '.join(OFF_SPELLINGS)} "
+                       "to turn it off")
 DUMP_TO_FORMS = "a folder path (a str or os.PathLike; created when missing), or empty for no dumps"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -77,13 +81,15 @@ def check_keywords(overrides: Mapping[str, object]) -> None:
         _parse_bool(overrides["strict"], "strict")
     if "min_gain" in overrides:
         _parse_gain(overrides["min_gain"], "min_gain")
+    if "never_worse" in overrides:
+        _parse_bool(overrides["never_worse"], "never_worse")
 
 
 def resolve(overrides: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Build the ``Config`` for one function: keyword ``overrides`` win over the environment.
 
     Keys of ``overrides``: ``threshold``, ``split_size``, ``memory_limit``, ``passes``,
-    ``dump_to``, ``strict``, ``min_gain``. Raises ``ConfigError`` naming the setting for any bad
+    ``dump_to``, ``strict``, ``min_gain``, ``never_worse``. Raises ``ConfigError`` naming the setting for any bad
     value; warns once about unknown ``HLOPASS_*`` variables of the process environment.
     """
     overrides = dict(overrides or {})
@@ -132,12 +138,15 @@ def resolve(overrides: Mapping[str, object] | None = None, environ: Mapping[str,
     raw, name = pick("min_gain")
     min_gain = DEFAULT_MIN_GAIN if raw is _UNSET else _parse_gain(raw, name)
 
+    raw, name = pick("never_worse")
+    never_worse = True if raw is _UNSET else _parse_bool(raw, name)
+
     if ENV_DUMP_FORMAT in environ and environ[ENV_DUMP_FORMAT].strip().lower() not in DUMP_FORMATS:
         raise ConfigError(f"{ENV_DUMP_FORMAT}={environ[ENV_DUMP_FORMAT]!r} is not a picture format; "
                           f"accepted forms: {', '.join(DUMP_FORMATS)}")
 
     return Config(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
-                  passes=passes, dump_to=dump_to, strict=strict, min_gain=min_gain)
+                  passes=passes, dump_to=dump_to, strict=strict, min_gain=min_gain, never_worse=never_worse)
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:

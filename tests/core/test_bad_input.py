@@ -24,6 +24,7 @@ BAD = {
     "dump_to": [b"dumps", 123, True, 1.5, "<existing file>", "<under existing file>"],
     "strict": ["maybe", 2, 1.5, [], "yes please", "tru"],
     "min_gain": ["0.5", 0, -1, "fast", True, float("inf"), float("nan"), "1.0x", [2]],
+    "never_worse": ["sometimes", 3, 0.5, [True]],
 }
 ROWS = [(key, value) for key, values in BAD.items() for value in values]
 

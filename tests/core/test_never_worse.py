@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import hlopass
+from fixtures import exact_gp
 from hlopass import call
 from hlopass.memory import MemoryCheck
 from hlopass.pipeline import PipelineResult
@@ -25,21 +26,8 @@ def x64():
         yield
 
 
-def gp_negative_log_likelihood(params, X, y):
-    """Exact GP regression with a squared-exponential kernel, written the textbook way."""
-    lengthscale, variance, noise = jnp.exp(params[0]), jnp.exp(params[1]), jnp.exp(params[2])
-    Xs = X / lengthscale
-    sq = jnp.sum(Xs ** 2, 1)
-    d2 = sq[:, None] + sq[None, :] - 2 * Xs @ Xs.T
-    K = variance * jnp.exp(-0.5 * d2) + noise * jnp.eye(X.shape[0])
-    factor = jax.scipy.linalg.cho_factor(K)
-    alpha = jax.scipy.linalg.cho_solve(factor, y)
-    return 0.5 * jnp.dot(y, alpha) + jnp.sum(jnp.log(jnp.diag(factor[0]))) + 0.5 * X.shape[0] * jnp.log(2 * jnp.pi)
-
-
 def gp_inputs(n=300, seed=0):
-    rng = np.random.default_rng(seed)
-    return (jnp.array([0.0, 0.0, -2.0]), jnp.asarray(rng.normal(size=(n, 3))), jnp.asarray(rng.normal(size=n)))
+    return exact_gp.inputs(n, seed=seed)
 
 
 THRESHOLD = "256kB"  # the 300 x 300 float64 kernel (720 kB) is above it; nothing can split a Cholesky
@@ -58,8 +46,8 @@ def plain_figures(fun, args):
 
 def test_gp_value_and_grad_no_worse_than_plain():
     args = gp_inputs()
-    fun = jax.value_and_grad(gp_negative_log_likelihood)
-    h = hlopass.jit(fun, threshold=THRESHOLD)
+    fun = jax.value_and_grad(exact_gp.negative_log_likelihood)
+    h = hlopass.jit(fun, threshold=THRESHOLD, never_worse=True)  # on by default; the test suite turns it off
     value, grad = h(*args)
     plain_value, plain_grad = jax.jit(fun)(*args)
     plain_footprint, plain_seconds = plain_figures(fun, args)
@@ -83,25 +71,39 @@ def test_gp_value_and_grad_no_worse_than_plain():
 def test_gp_under_outer_jit_of_grad_no_worse_than_plain():
     """The composition path: the lowering rule compares the two programs compiled alone."""
     args = gp_inputs(seed=1)
-    h = hlopass.jit(gp_negative_log_likelihood, threshold=THRESHOLD)
+    h = hlopass.jit(exact_gp.negative_log_likelihood, threshold=THRESHOLD, never_worse=True)
     fun = jax.value_and_grad(h)
     compiled = jax.jit(fun).lower(*args).compile()
-    plain_footprint, _ = plain_figures(jax.value_and_grad(gp_negative_log_likelihood), args)
+    plain_footprint, _ = plain_figures(jax.value_and_grad(exact_gp.negative_log_likelihood), args)
     analysis = compiled.memory_analysis()
     assert analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes \
         <= plain_footprint
     reports = hlopass.reports(fun, *args)
     assert any(r.comparison is not None for r in reports)
-    np.testing.assert_allclose(compiled(*args)[1], jax.grad(gp_negative_log_likelihood)(*args), rtol=1e-6)
+    np.testing.assert_allclose(compiled(*args)[1], jax.grad(exact_gp.negative_log_likelihood)(*args), rtol=1e-6)
+
+
+_IDENTITY = jax.make_jaxpr(lambda v: v)(1.0)
 
 
 def _result(limit=None):
     report = PipelineReport(label="f", config_line="")
     config = hlopass.resolve_config({"memory_limit": limit or "off", "passes": "none"})
-    result = PipelineResult.__new__(PipelineResult)
-    result.report, result.config, result.kept, result.check, result.settled = report, config, None, None, False
-    result.__dict__["unbounded"] = []
-    return result
+    return PipelineResult(_IDENTITY, None, report, config)
+
+
+def test_never_worse_off_runs_the_rewritten_program():
+    args = gp_inputs(n=120)
+    fun = jax.value_and_grad(exact_gp.negative_log_likelihood)
+    h = hlopass.jit(fun, threshold="16kB", never_worse=False)
+    np.testing.assert_allclose(h(*args)[1], jax.jit(fun)(*args)[1], rtol=1e-6)
+    report = h.trace(*args).report
+    assert report.rewrites and report.comparison is None and "never_worse=off" in report.config_line
+
+
+def test_never_worse_is_on_by_default(monkeypatch):
+    monkeypatch.delenv("HLOPASS_NEVER_WORSE")
+    assert hlopass.resolve_config().never_worse
 
 
 def _check(footprint, limit=None):
@@ -148,3 +150,4 @@ def test_linearize_rematerialises_cheap_large_residuals():
 def _all_eqns(closed):
     from hlopass.jaxpr_utils import iter_eqns
     return list(iter_eqns(closed))
+
