@@ -48,6 +48,11 @@ def _builtin_table() -> tuple[dict[str, str], tuple[str, ...]]:
 _FRAMES_EXCLUDED: set[str] = set()
 
 
+def builtin_folder() -> str:
+    """The folder of the built-in passes' package (its frames are hlopass's, not the user's)."""
+    return os.path.dirname(os.path.abspath(importlib.import_module("hlopass.passes").__file__))
+
+
 def available_passes() -> list[str]:
     """Names of every pass that can be asked for, built-in first."""
     builtin, _ = _builtin_table()

@@ -3,6 +3,10 @@
     hlopass-dump FILE_OR_MODULE:FUNCTION --arg f32[1000,3] --arg f32[1000,3] \
         [--threshold SIZE] [--split-size SIZE] [--memory-limit SIZE] [--passes LIST] [--out DIR]
         [--format svg|png] [--explorer DIR]
+
+A misuse (bad target, argument spec, setting, folder) is one ``hlopass-dump: error:`` line and exit
+status 2; an exception raised by the user's function prints the user's own frames and exits 1; so does
+a program over the memory limit with ``HLOPASS_STRICT`` set. Never a traceback from inside hlopass.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 
 from hlopass.errors import ConfigError
 from hlopass.inspection import explorer
+from hlopass.registry import builtin_folder
 
 DTYPES = {
     "f16": jnp.float16, "bf16": jnp.bfloat16, "f32": jnp.float32, "f64": jnp.float64,
@@ -85,7 +90,10 @@ def load_function(target: str):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hlopass-dump", description="Show what hlopass rewrites in a function "
-                                     "and the memory before and after. Nothing is executed.")
+                                     "and the memory before and after. Nothing is executed.",
+                                     epilog="Exit status: 0 done; 1 the function raised (its own traceback is "
+                                     "shown), or HLOPASS_STRICT is set and the program is over the memory limit; "
+                                     "2 a bad target, argument spec, setting or folder.")
     parser.add_argument("target", help="FILE.py:FUNCTION or package.module:FUNCTION")
     parser.add_argument("--arg", action="append", default=[], metavar="SPEC",
                         help="an argument as DTYPE[DIMS], e.g. f32[1000,3]; repeat per argument")
@@ -124,7 +132,6 @@ def main(argv=None) -> int:
         if options.out is not None:
             check_folder(options.out, "--out")
         if options.explorer:
-            check_folder(options.explorer, "--explorer")
             explorer.require_model_explorer()
             explorer.prepare_folder(options.explorer)
         specs = [parse_arg_spec(s) for s in options.arg]
@@ -161,8 +168,10 @@ def main(argv=None) -> int:
                       file=sys.stderr)
         print(f"dump written to {folder}")
     if options.explorer:
+        from hlopass.call import inspecting
         try:
-            explorer.write_explorer(options.explorer, function, *specs, config=explanation.config)
+            with inspecting():  # the memory figures are reported below
+                explorer.write_explorer(options.explorer, function, *specs, config=explanation.config)
         except explorer.ExplorerError as err:
             return _usage_error(err)
         print(f"Model Explorer files written to {options.explorer}; open them with: "
@@ -190,7 +199,7 @@ _INTERNAL_FOLDERS = tuple(os.path.abspath(p) + os.sep for p in {
 
 def _user_frames(err: BaseException) -> list:
     frames = traceback.extract_tb(err.__traceback__)
-    passes_folder = os.path.dirname(os.path.abspath(getattr(sys.modules.get("hlopass.passes"), "__file__", "") or "."))
+    passes_folder = builtin_folder()
     return [f for f in frames if not os.path.abspath(f.filename).startswith(_INTERNAL_FOLDERS)
             and not os.path.abspath(f.filename).startswith(passes_folder + os.sep)
             and os.path.abspath(f.filename) != os.path.abspath(__file__)]
