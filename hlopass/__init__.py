@@ -6,7 +6,7 @@ Use ``@hlopass.jit`` instead of ``@jax.jit``; see the README for settings.
 from hlopass import api as _api
 from hlopass.api import HlopassFunction, jit
 from hlopass.config import Config
-from hlopass.errors import ConfigError, MemoryLimitError
+from hlopass.errors import ConfigError, ConfigWarning, MemoryLimitError
 from hlopass.inspection.dump import dump_on_compile as _dump_on_compile
 from hlopass.inspection.explanation import Explanation, explain, reports
 from hlopass.pass_base import Pass
@@ -20,7 +20,8 @@ _api.compile_listeners.append(_dump_on_compile)
 
 __all__ = [
     "jit", "explain", "reports", "HlopassFunction", "Explanation", "Config", "resolve_config", "ConfigError",
-    "MemoryLimitError", "Pass", "register_pass", "available_passes", "Note", "PassReport", "PipelineReport",
+    "ConfigWarning", "MemoryLimitError", "Pass", "register_pass", "available_passes", "Note", "PassReport",
+    "PipelineReport",
     "Rewrite", "Skip", "parse_size", "format_size",
 ]
 __version__ = "0.1.0"

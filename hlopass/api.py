@@ -3,31 +3,43 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import os
+import weakref
 from typing import Any, Callable
 
 import jax
+from jax._src import config as jax_config
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from hlopass import settings
 from hlopass.call import CheckedJit, hlopass_call_p
 from hlopass.config import Config
+from hlopass.errors import ConfigError
 from hlopass.jaxpr_utils import trace_flat
 from hlopass.memory import enforce, measure
 from hlopass.pipeline import run_pipeline, trace_contexts
+
+logger = logging.getLogger("hlopass")
 
 _ENV_VARS = tuple(settings.SETTINGS.values())
 
 #: Called as ``listener(function, config, args, kwargs)`` after a function's first compile for a
 #: signature when ``config.dump_to`` is set; :mod:`hlopass` installs the dump writer of
-#: :mod:`hlopass.inspection` here (the API does not import the tools built on it).
+#: :mod:`hlopass.inspection` here (the API does not import the tools built on it). A listener that
+#: raises is logged as a warning: a dump never breaks the user's call.
 compile_listeners: list[Callable] = []
+
+#: The keywords ``jax.jit`` accepts (everything ``hlopass.jit`` passes through to it).
+_JAX_JIT_KEYWORDS = tuple(name for name, p in inspect.signature(jax.jit).parameters.items()
+                          if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: Any = None,
         memory_limit: Any = None, passes: Any = None, dump_to: Any = None, strict: Any = None,
-        min_gain: Any = None, **jit_kwargs):
+        min_gain: Any = None, never_worse: Any = None, **jit_kwargs):
     """Like ``jax.jit``, with hlopass's passes applied to the traced program.
 
     Accepts everything ``jax.jit`` accepts (``static_argnums``,
@@ -36,12 +48,25 @@ def jit(fun: Callable | None = None, /, *, threshold: Any = None, split_size: An
     ``split_size``, ``memory_limit`` (sizes such as ``"100MB"`` or bytes;
     ``"off"`` turns one off), ``passes`` (names or a comma-separated string),
     ``dump_to`` (a folder) and ``strict`` (raise ``MemoryLimitError``
-    instead of warning) and ``min_gain`` (the factor by which a reordering of products must cut
-    their multiply-adds). Usable as ``@hlopass.jit`` and ``@hlopass.jit(...)``.
+    instead of warning), ``min_gain`` (the factor by which a reordering of products must cut
+    their multiply-adds) and ``never_worse`` (``False``: run the rewritten program even when the
+    passes could not bound it and XLA says the original needs less). Usable as ``@hlopass.jit``
+    and ``@hlopass.jit(...)``.
+
+    The keywords are checked when ``hlopass.jit`` is applied: an unknown keyword or a bad setting is a
+    :class:`~hlopass.ConfigError`; bad ``jax.jit`` arguments (``static_argnums`` out of range, a
+    generator function, ...) raise what ``jax.jit`` raises. The environment is read when the
+    function is called.
     """
     overrides = {k: v for k, v in dict(threshold=threshold, split_size=split_size, memory_limit=memory_limit,
-                                       passes=passes, dump_to=dump_to, strict=strict,
-                                       min_gain=min_gain).items() if v is not None}
+                                       passes=passes, dump_to=dump_to, strict=strict, min_gain=min_gain,
+                                       never_worse=never_worse).items() if v is not None}
+    unknown = sorted(set(jit_kwargs) - set(_JAX_JIT_KEYWORDS))
+    if unknown:
+        raise ConfigError(
+            f"hlopass.jit got unknown keyword argument(s) {', '.join(unknown)}; accepted keywords: hlopass's "
+            f"settings {', '.join(settings.SETTINGS)} and jax.jit's {', '.join(_JAX_JIT_KEYWORDS)}")
+    settings.check_keywords(overrides)
     if fun is None:
         return lambda f: jit(f, **overrides, **jit_kwargs)
     if isinstance(fun, HlopassFunction):  # re-wrapping: new settings on the same function
@@ -53,72 +78,52 @@ class HlopassFunction:
     """A function compiled by hlopass; behaves like the object ``jax.jit`` returns."""
 
     def __init__(self, fun: Callable, overrides: dict, jit_kwargs: dict):
-        if not callable(fun):
-            raise TypeError(f"hlopass.jit expects a callable, got {fun!r}")
+        # jax.jit checks the function and its arguments now, raising what it raises; the result is
+        # also the unrewritten program, run when the passes cannot bound a program and it needs less.
+        # A callable that cannot be weakly referenced fails when called, as under jax.jit (whose
+        # object for it may crash the interpreter when collected, so none is made here).
+        self._plain = jax.jit(fun, **jit_kwargs) if _weakly_referenceable(fun) or not callable(fun) else None
         functools.update_wrapper(self, fun)
         self._fun = fun
         self._overrides = dict(overrides)
         self._jit_kwargs = dict(jit_kwargs)
         self._per_config: dict[Config, CheckedJit] = {}
         self._config_cache: dict[tuple, Config] = {}
-        self.trace_count = 0
-        settings.resolve(self._overrides)  # bad keyword settings fail at decoration time
 
     @property
     def label(self) -> str:
         return getattr(self._fun, "__qualname__", getattr(self._fun, "__name__", "function"))
 
+    @property
+    def trace_count(self) -> int:
+        """How many times the function was traced (for all settings)."""
+        return sum(checked.unjitted.trace_count for checked in self._per_config.values())
+
     # -- configuration -------------------------------------------------------------
     def config(self) -> Config:
         """The settings in force now (environment read now, keyword overrides applied)."""
         key = tuple(map(_environ_get, _ENV_VARS))
-        if key not in self._config_cache:
-            self._config_cache[key] = settings.resolve(self._overrides)
-        return self._config_cache[key]
+        config = self._config_cache.get(key)
+        if config is None:
+            config = self._config_cache[key] = settings.resolve(self._overrides)
+        return config
 
     # -- staging ---------------------------------------------------------------------
-    def _staged(self, config: Config) -> Callable:
-        fun, label = self._fun, self.label
-
-        @functools.wraps(fun)
-        def staged(*args, **kwargs):
-            self.trace_count += 1
-            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-            dynamic = [isinstance(leaf, core.Tracer) for leaf in leaves]
-            out_tree = []
-            notes: list = []
-
-            def flat_fun(*dynamic_values):
-                values = iter(dynamic_values)
-                full = [next(values) if d else leaf for leaf, d in zip(leaves, dynamic)]
-                call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-                with trace_contexts(config, notes):
-                    result = fun(*call_args, **call_kwargs)
-                out_leaves, tree = jax.tree_util.tree_flatten(result)
-                out_tree.append(tree)
-                return out_leaves
-
-            dynamic_leaves = [leaf for leaf, d in zip(leaves, dynamic) if d]
-            closed = trace_flat(flat_fun, [core.typeof(x) for x in dynamic_leaves], label)
-            consts = list(closed.consts)
-            body = core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
-            outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label,
-                                       notes=tuple(notes))
-            return jax.tree_util.tree_unflatten(out_tree[0], outs)
-
-        return staged
-
     def _checked(self, config: Config) -> CheckedJit:
-        if config not in self._per_config:
+        checked = self._per_config.get(config)
+        if checked is None:
             on_first_compile = None
             if config.dump_to:
-                on_first_compile = functools.partial(_notify_compile, self, config)
-            self._per_config[config] = CheckedJit(self._staged(config), self._jit_kwargs, config, self.label,
-                                                  on_first_compile)
-        return self._per_config[config]
+                on_first_compile = functools.partial(_notify_compile, weakref.ref(self), config)
+            staged = staged_function(self._fun, config, self.label)
+            checked = self._per_config[config] = CheckedJit(staged, self._jit_kwargs, config, self.label,
+                                                            on_first_compile, plain=self._plain)
+        return checked
 
     # -- jax.jit's interface -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if jax_config.disable_jit.value:  # as jax.jit does: run the function eagerly
+            return self._fun(*args, **kwargs)
         return self._checked(self.config())(*args, **kwargs)
 
     def __get__(self, instance, owner=None):
@@ -145,6 +150,103 @@ class HlopassFunction:
 
     def __repr__(self) -> str:
         return f"<hlopass.jit {self.label}>"
+
+
+class StagedFunction:
+    """What ``jax.jit`` traces for a hlopass function: the user's function traced to a jaxpr and
+    staged as one ``hlopass_call`` with the settings.
+
+    There is one per (function object, settings), shared by every ``hlopass.jit`` of that function:
+    ``jax.jit`` keys its trace and compile caches by the function it is given, so a fresh
+    ``hlopass.jit(f)`` reuses them as a fresh ``jax.jit(f)`` does. It holds the user's function
+    weakly (the registry of these objects must not keep it alive); ``jax.jit`` needs the function
+    to be weakly referenceable anyway.
+    """
+
+    def __init__(self, fun: Callable, config: Config, label: str):
+        self._fun = weakref.ref(fun)
+        self.config = config
+        self.label = label
+        self.trace_count = 0
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            value = getattr(fun, attr, None)
+            if value is not None:
+                setattr(self, attr, value)
+        base = fun
+        while isinstance(base, functools.partial):
+            base = base.func
+        code = getattr(inspect.unwrap(base), "__code__", None)
+        if code is not None:  # jax's debug info (source line of the function) reads it
+            self.__code__ = code
+        try:
+            self.__signature__ = inspect.signature(fun)  # static_argnames resolve against it
+        except (TypeError, ValueError):
+            self.__signature__ = None
+
+    def __call__(self, *args, **kwargs):
+        fun = self._fun()
+        if fun is None:  # unreachable while a hlopass.jit of the function exists
+            raise RuntimeError(f"hlopass: the function {self.label} no longer exists")
+        self.trace_count += 1
+        config, label = self.config, self.label
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [isinstance(leaf, core.Tracer) for leaf in leaves]
+        out_tree = []
+        notes: list = []
+
+        def flat_fun(*dynamic_values):
+            values = iter(dynamic_values)
+            full = [next(values) if d else leaf for leaf, d in zip(leaves, dynamic)]
+            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            with trace_contexts(config, notes):
+                result = fun(*call_args, **call_kwargs)
+            out_leaves, tree = jax.tree_util.tree_flatten(result)
+            out_tree.append(tree)
+            return out_leaves
+
+        dynamic_leaves = [leaf for leaf, d in zip(leaves, dynamic) if d]
+        closed = trace_flat(flat_fun, [core.typeof(x) for x in dynamic_leaves], label)
+        consts = list(closed.consts)
+        body = core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
+        outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label,
+                                   notes=tuple(notes))
+        return jax.tree_util.tree_unflatten(out_tree[0], outs)
+
+
+#: id(function) -> (weak reference to it, {config: StagedFunction}); an entry goes when its function does.
+_staged: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def staged_function(fun: Callable, config: Config, label: str) -> StagedFunction:
+    """The :class:`StagedFunction` of ``fun`` with ``config`` (one per function object and settings).
+
+    Raises ``TypeError`` for a function that cannot be weakly referenced, as ``jax.jit`` does when
+    such a function is called.
+    """
+    key = id(fun)
+    entry = _staged.get(key)
+    if entry is None or entry[0]() is not fun:
+        ref = weakref.ref(fun, lambda _, key=key: _forget(key))
+        entry = _staged[key] = (ref, {})
+    per_config = entry[1]
+    staged = per_config.get(config)
+    if staged is None:
+        staged = per_config[config] = StagedFunction(fun, config, label)
+    return staged
+
+
+def _forget(key: int) -> None:
+    entry = _staged.get(key)
+    if entry is not None and entry[0]() is None:
+        del _staged[key]
+
+
+def _weakly_referenceable(obj) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
 
 
 def _read_environ_fast():
@@ -220,11 +322,20 @@ class Lowered:
 
     def compile(self, *args, **kwargs):
         compiled = self._lowered.compile(*args, **kwargs)
-        self.memory_check = measure(compiled, self._lowered, self.config.memory_limit, self.label)
+        self.memory_check = measure(compiled, self._lowered, self.config.memory_limit, self.label,
+                                    list_largest="over_limit")
         enforce(self.memory_check, self.config.strict)
         return compiled
 
 
-def _notify_compile(function: HlopassFunction, config, args, kwargs, lowered, compiled, check) -> None:
+def _notify_compile(function_ref, config, args, kwargs, lowered, compiled, check) -> None:
+    function = function_ref()
+    if function is None:
+        return
     for listener in compile_listeners:
-        listener(function, config, args, kwargs)
+        try:
+            listener(function, config, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - a dump must never break the user's call
+            logger.warning("hlopass: %s for %s failed (the call goes on): %s: %s",
+                           getattr(listener, "__name__", "a compile listener"), function.label,
+                           type(err).__name__, err)

@@ -39,6 +39,9 @@ class Config:
     strict: bool = False
     #: A reordering (matrix_chain) must cut the multiply-adds by at least this factor.
     min_gain: float = DEFAULT_MIN_GAIN
+    #: When the passes change a program but cannot bound it, keep the original if XLA says it needs
+    #: less memory (see :mod:`hlopass.call`); off: always run the rewritten program.
+    never_worse: bool = True
 
     @property
     def pass_names(self) -> tuple[str, ...]:
@@ -48,7 +51,8 @@ class Config:
         """One line for logs and dumps."""
         passes = ",".join(repr(p) if _configured(p) else p.name for p in self.passes) or "none"
         return (f"threshold={format_size(self.threshold)} split_size={format_size(self.split_size)} "
-                f"memory_limit={format_size(self.memory_limit)} passes={passes}")
+                f"memory_limit={format_size(self.memory_limit)} passes={passes}"
+                + ("" if self.never_worse else " never_worse=off"))
 
 
 def _configured(pass_) -> bool:

@@ -18,3 +18,8 @@ class MemoryLimitError(RuntimeError):
     def __init__(self, message: str, check=None):
         super().__init__(message)
         self.check = check
+
+
+class ConfigWarning(UserWarning):
+    """An environment variable named like a hlopass setting (``HLOPASS_*``) that hlopass does not
+    know, a misspelling most likely: it is ignored. Warned once per name."""

@@ -50,6 +50,18 @@ LOOPS = frozenset({"while", "scan"})
 #: Control flow with sub-jaxprs.
 CONTROL_FLOW = LOOPS | {"cond"}
 
+#: Calls of another hlopass program (a ``hlopass.jit`` function called inside this one): its own
+#: program with its own settings and pipeline. Passes and walkers do not enter it.
+OWN_PROGRAMS = frozenset({"hlopass_call"})
+
+#: What a rematerialised gradient recomputes instead of saving: cheap per element of the result,
+#: and what the split pass can bound. Anything else (factorisations, solves, sorts, FFTs, loops,
+#: custom calls) is saved as JAX would save it.
+CHEAP_TO_RECOMPUTE = ELEMENTWISE | frozenset(REDUCTIONS) | ARG_REDUCTIONS | frozenset(CUMULATIVE) | frozenset("""
+    broadcast_in_dim reshape transpose squeeze expand_dims iota concatenate pad slice dynamic_slice rev
+    select_n convert_element_type copy reduce_precision square
+""".split())
+
 #: Every primitive whose equation simply runs one sub-jaxpr on its operands.
 INLINABLE = CALLS | REMAT | CUSTOM_DERIVATIVE_CALLS
 

@@ -10,7 +10,8 @@ from jax._src import api_util, core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE
+from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE, OWN_PROGRAMS
+
 
 def aval_nbytes(aval) -> int:
     """Bytes of an array abstract value (0 for tokens and other non-arrays)."""
@@ -45,7 +46,12 @@ def count_equations(jaxpr) -> int:
 
 
 def subjaxprs(eqn) -> Iterator[core.Jaxpr]:
-    """Every (open) sub-jaxpr held in ``eqn.params``: scan/while/cond bodies, call bodies..."""
+    """Every (open) sub-jaxpr held in ``eqn.params``: scan/while/cond bodies, call bodies...
+
+    A nested ``hlopass_call`` is another hlopass program, with its own settings: not entered.
+    """
+    if eqn.primitive.name in OWN_PROGRAMS:
+        return
     for value in eqn.params.values():
         yield from _jaxprs_in(value)
 
@@ -71,6 +77,8 @@ def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]
     Open ``Jaxpr`` params (``checkpoint``) are closed for the transform and
     kept as they were when the result needs constants.
     """
+    if eqn.primitive.name in OWN_PROGRAMS:
+        return None
     changed = False
 
     def visit(value):
@@ -115,13 +123,17 @@ def call_body(eqn) -> core.ClosedJaxpr | None:
     return None
 
 
-def iter_eqns(jaxpr) -> Iterator[Any]:
-    """All equations of ``jaxpr``, including those of sub-jaxprs (pre-order)."""
+def iter_eqns(jaxpr, into_own_programs: bool = False) -> Iterator[Any]:
+    """All equations of ``jaxpr``, including those of sub-jaxprs (pre-order); with
+    ``into_own_programs`` also those of nested ``hlopass_call`` programs."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         yield eqn
-        for sub in subjaxprs(eqn):
-            yield from iter_eqns(sub)
+        subs = subjaxprs(eqn)
+        if into_own_programs and eqn.primitive.name in OWN_PROGRAMS:
+            subs = _jaxprs_in(list(eqn.params.values()))
+        for sub in subs:
+            yield from iter_eqns(sub, into_own_programs)
 
 
 def trace_flat(fun: Callable, in_avals: Sequence[Any], name: str = "hlopass") -> core.ClosedJaxpr:
@@ -149,3 +161,29 @@ def largest_values(closed, limit: int = 5) -> list[tuple[str, int, str]]:
                 found.append((aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}"))
     found.sort(key=lambda row: -row[1])
     return found[:limit]
+
+
+def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int, str]]:
+    """Values defined inside ``closed`` (recursively; its inputs and outputs aside) larger than
+    ``threshold`` bytes, largest first, as (type, bytes, primitive at source line)."""
+    from hlopass.report import source_line
+    top = getattr(closed, "jaxpr", closed)
+    outputs = {v for v in top.outvars if isinstance(v, core.Var)}
+    found = []
+    for eqn in iter_eqns(closed):
+        for var in eqn.outvars:
+            nbytes = aval_nbytes(var.aval)
+            if nbytes > threshold and var not in outputs:
+                found.append((aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}"))
+    found.sort(key=lambda row: -row[1])
+    return found[:limit]
+
+
+def bytes_upper_bound(closed) -> int:
+    """A crude upper bound on the bytes a compiled ``closed`` can hold at once: its inputs and every
+    value it defines, each counted once (a loop body's values once, as XLA reuses their buffers)."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    total = sum(aval_nbytes(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars))
+    for eqn in iter_eqns(jaxpr, into_own_programs=True):
+        total += sum(aval_nbytes(v.aval) for v in eqn.outvars)
+    return total

@@ -46,15 +46,17 @@ class MemoryCheck:
         return d
 
 
-def measure(compiled, lowered=None, limit: int | None = None, label: str = "function") -> MemoryCheck:
-    """Read ``compiled.memory_analysis()``; list the largest tensors of ``lowered`` if given."""
+def measure(compiled, lowered=None, limit: int | None = None, label: str = "function",
+            list_largest: str = "always") -> MemoryCheck:
+    """Read ``compiled.memory_analysis()``; list the largest tensors of ``lowered`` if given
+    (``list_largest="over_limit"``: only when the program is over the limit, for the warning)."""
     analysis = compiled.memory_analysis()
     get = lambda name: int(getattr(analysis, name, 0) or 0)  # noqa: E731
     check = MemoryCheck(label=label, temp_bytes=get("temp_size_in_bytes"),
                         argument_bytes=get("argument_size_in_bytes"), output_bytes=get("output_size_in_bytes"),
                         alias_bytes=get("alias_size_in_bytes"),
                         generated_code_bytes=get("generated_code_size_in_bytes"), limit=limit)
-    if lowered is not None:
+    if lowered is not None and (list_largest == "always" or check.over_limit):
         try:
             check.largest = largest_tensors(lowered.compiler_ir("stablehlo"))
         except Exception as err:  # noqa: BLE001 - the listing is a diagnostic only

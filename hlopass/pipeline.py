@@ -11,6 +11,7 @@ is skipped, logged and named in the report. :func:`trace_contexts` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from jax._src import core
 
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
-from hlopass.jaxpr_utils import count_equations, largest_values
+from hlopass.jaxpr_utils import count_equations, largest_values, values_above
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport, PipelineReport
 
@@ -38,12 +39,59 @@ ENV_CHECK = "HLOPASS_CHECK_PASSES"
 
 
 class PipelineResult:
-    """The rewritten jaxpr and the report of how it was obtained."""
+    """The rewritten jaxpr and the report of how it was obtained.
 
-    def __init__(self, original: core.ClosedJaxpr, jaxpr: core.ClosedJaxpr, report: PipelineReport):
-        self.original = original
-        self.jaxpr = jaxpr
+    ``jaxpr`` is the original object itself when no pass rewrote anything. When the passes changed
+    the program but could not bound it (values above the threshold remain), XLA's figures for the
+    rewritten and the original program decide which one is compiled (:attr:`kept`, set by the
+    checked call in :mod:`hlopass.call`; the report says why). The original is held weakly: this
+    object lives in a cache keyed by it.
+    """
+
+    def __init__(self, original: core.ClosedJaxpr, rewritten: core.ClosedJaxpr | None, report: PipelineReport,
+                 config: Config):
+        self._original = weakref.ref(original)
+        self._rewritten = rewritten
         self.report = report
+        self.config = config
+        #: "rewritten" or "original" once XLA's figures decided (only for changed, unbounded programs)
+        self.kept: str | None = None
+        #: the memory check of the program compiled alone, once made (see :mod:`hlopass.call`)
+        self.check = None
+        self.settled = False
+        self.warned = False
+
+    @property
+    def original(self) -> core.ClosedJaxpr:
+        return self._original()
+
+    @property
+    def changed(self) -> bool:
+        """Whether a pass rewrote the program."""
+        return self._rewritten is not None
+
+    @property
+    def jaxpr(self) -> core.ClosedJaxpr:
+        """The program after the passes (the original object when nothing was rewritten)."""
+        return self._rewritten if self._rewritten is not None else self._original()
+
+    @property
+    def program(self) -> core.ClosedJaxpr:
+        """What goes to XLA: the rewritten program, unless the original was kept."""
+        return self._original() if self.kept == "original" else self.jaxpr
+
+    @functools.cached_property
+    def unbounded(self) -> list[tuple[str, int, str]]:
+        """Values of the rewritten program above the threshold (its inputs and outputs aside: a
+        temporary as large as an input still adds to what the program holds)."""
+        if not self.changed or self.config.threshold is None:
+            return []
+        return values_above(self._rewritten, self.config.threshold)
+
+    @property
+    def needs_comparison(self) -> bool:
+        """Whether XLA's figures must decide between the rewritten and the original program."""
+        return self.config.never_worse and self.changed and bool(self.unbounded)
 
 
 _cache: "weakref.WeakKeyDictionary[core.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
@@ -91,9 +139,10 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[N
                             equations_before=count_equations(closed))
     if not config.passes:
         report.equations_after = report.equations_before
-        return PipelineResult(closed, closed, report)
+        return PipelineResult(closed, None, report, config)
     report.largest_before = largest_values(closed)
     current = inline_calls(closed)
+    rewrote = False
     for pass_ in placed(config):
         start = time.perf_counter()
         try:
@@ -109,6 +158,7 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[N
             pass_report = PassReport(pass_.name)
             pass_report.skip("<pass>", pass_.name, f"pass raised {type(err).__name__}: {err}")
             new = current
+        rewrote = rewrote or (new is not current and bool(pass_report.rewrites))
         for note in notes:
             if note.pass_name == pass_.name:
                 pass_report.add_note(note)
@@ -117,9 +167,13 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[N
         for entry in pass_report.rewrites:
             logger.info("hlopass: %s", entry)
         current = new
+    if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
+        report.equations_after = report.equations_before
+        report.largest_after = report.largest_before
+        return PipelineResult(closed, None, report, config)
     report.equations_after = count_equations(current)
     report.largest_after = largest_values(current)
-    return PipelineResult(closed, current, report)
+    return PipelineResult(closed, current, report, config)
 
 
 def _check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr, name: str) -> None:

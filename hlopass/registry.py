@@ -8,7 +8,10 @@ with :func:`register_pass`.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Iterable
+
+from jax._src import source_info_util
 
 from hlopass.errors import ConfigError
 from hlopass.pass_base import Pass
@@ -35,7 +38,19 @@ def register_pass(cls: type) -> type:
 
 def _builtin_table() -> tuple[dict[str, str], tuple[str, ...]]:
     builtin = importlib.import_module("hlopass.passes")
+    if builtin.__name__ not in _FRAMES_EXCLUDED:
+        # the passes' frames are JAX-internal too: source lines name the user's code
+        source_info_util.register_exclusion(os.path.dirname(os.path.abspath(builtin.__file__)) + os.sep)
+        _FRAMES_EXCLUDED.add(builtin.__name__)
     return builtin.BUILTIN, builtin.DEFAULT_PIPELINE
+
+
+_FRAMES_EXCLUDED: set[str] = set()
+
+
+def builtin_folder() -> str:
+    """The folder of the built-in passes' package (its frames are hlopass's, not the user's)."""
+    return os.path.dirname(os.path.abspath(importlib.import_module("hlopass.passes").__file__))
 
 
 def available_passes() -> list[str]:

@@ -93,6 +93,44 @@ class PassReport:
 
 
 @dataclasses.dataclass
+class Comparison:
+    """The passes changed a program but could not bound it (values above the threshold remain):
+    XLA's figures for the rewritten and the original program, and which one was kept.
+
+    ``blocked`` lists the values above the threshold left in the rewritten program, ``reasons`` what
+    the passes said (their skips) at those source lines.
+    """
+
+    kept: str
+    rewritten_bytes: int
+    original_bytes: int
+    rewritten_compile_s: float | None = None
+    original_compile_s: float | None = None
+    blocked: list[str] = dataclasses.field(default_factory=list)
+    reasons: list[str] = dataclasses.field(default_factory=list)
+
+    def line(self) -> str:
+        """One line: the footprints and compile times of both programs."""
+        from hlopass.sizes import format_size
+
+        def seconds(s):
+            return "?" if s is None else f"{s:.2f} s"
+        return (f"XLA footprint rewritten {format_size(self.rewritten_bytes)}, original "
+                f"{format_size(self.original_bytes)}; compile rewritten {seconds(self.rewritten_compile_s)}, "
+                f"original {seconds(self.original_compile_s)}")
+
+    def __str__(self) -> str:
+        lines = [f"  not bounded by the passes: kept the {self.kept} program ({self.line()})"]
+        if self.blocked:
+            lines.append("  values above the threshold left after the passes:")
+            lines.extend(f"    {b}" for b in self.blocked)
+            lines.append("  what the passes said at those lines:" if self.reasons else
+                         "  no pass reported on those lines")
+            lines.extend(f"    {r}" for r in self.reasons)
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
 class PipelineReport:
     """The reports of every pass run on one jaxpr, in order."""
 
@@ -103,6 +141,8 @@ class PipelineReport:
     equations_after: int = 0
     largest_before: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
     largest_after: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
+    #: set once XLA's figures decided between the rewritten and the original program
+    comparison: Comparison | None = None
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -122,6 +162,7 @@ class PipelineReport:
             "passes": [dataclasses.asdict(p) for p in self.passes],
             "largest_before": self.largest_before,
             "largest_after": self.largest_after,
+            "comparison": dataclasses.asdict(self.comparison) if self.comparison else None,
         }
 
     def __str__(self) -> str:
@@ -136,4 +177,6 @@ class PipelineReport:
             if rows:
                 lines.append(f"  {title}:")
                 lines.extend(f"    {format_size(n):>10}  {ty}  {loc}" for ty, n, loc in rows)
+        if self.comparison is not None:
+            lines.append(str(self.comparison))
         return "\n".join(lines)

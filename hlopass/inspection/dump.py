@@ -36,11 +36,15 @@ def dump_explanation(explanation, out_dir: str, subfolder: bool = True) -> str:
 
 def dump_on_compile(function, config, args, kwargs) -> None:
     """``HLOPASS_DUMP_TO``: explain ``function`` at ``args`` and write it (with pictures when
-    ``HLOPASS_DUMP_FORMAT`` is ``svg`` or ``png``) to a new numbered folder of ``config.dump_to``."""
+    ``HLOPASS_DUMP_FORMAT`` is ``svg`` or ``png``) to a new numbered folder of ``config.dump_to``.
+
+    Called after the function's first compile for a signature; an error here is logged as a
+    warning by the caller and never breaks the user's call."""
     from hlopass.inspection.explanation import explain
+    from hlopass.settings import ENV_DUMP_FORMAT
     explanation = explain(function, *args, _config=config, **kwargs)
     folder = dump_explanation(explanation, config.dump_to)
-    picture_format = os.environ.get("HLOPASS_DUMP_FORMAT", "text").strip().lower()
+    picture_format = os.environ.get(ENV_DUMP_FORMAT, "text").strip().lower()
     if picture_format in ("svg", "png"):
         from hlopass.inspection.draw import draw_explanation
         draw_explanation(explanation, folder, picture_format)

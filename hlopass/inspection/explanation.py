@@ -13,7 +13,7 @@ import jax
 
 from hlopass.api import HlopassFunction
 from hlopass.api import jit as hlopass_jit
-from hlopass.call import hlopass_call_p
+from hlopass.call import hlopass_call_p, inspecting
 from hlopass.jaxpr_utils import iter_eqns
 from hlopass.memory import MemoryCheck, measure
 from hlopass.pipeline import run_pipeline
@@ -71,9 +71,10 @@ def explain(fun, *args, compile: bool = True, _config=None, **kwargs) -> Explana
     """
     function = fun if isinstance(fun, HlopassFunction) else hlopass_jit(fun)
     config = _config or function.config()
-    traced = function.trace_with(config, *args, **kwargs)
-    lowered_after = traced.lower()
-    lowered_before = jax.jit(function._fun, **function._jit_kwargs).lower(*args, **kwargs)
+    with inspecting():  # measured and reported here; strict mode does not raise
+        traced = function.trace_with(config, *args, **kwargs)
+        lowered_after = traced.lower()
+        lowered_before = jax.jit(function._fun, **function._jit_kwargs).lower(*args, **kwargs)
     memory_before = memory_after = None
     if compile:
         memory_before = measure(lowered_before.compile(), lowered_before, config.memory_limit, f"{function.label} (before)")
@@ -93,4 +94,4 @@ def reports(fun, *args, **kwargs) -> list[PipelineReport]:
     """
     closed = jax.make_jaxpr(fun)(*args, **kwargs)
     return [run_pipeline(e.params["jaxpr"], e.params["config"], e.params["name"], e.params["notes"]).report
-            for e in iter_eqns(closed) if e.primitive is hlopass_call_p]
+            for e in iter_eqns(closed, into_own_programs=True) if e.primitive is hlopass_call_p]

@@ -194,3 +194,29 @@ def test_passes_reach_inside_sub_jaxprs(fun):
     else:
         np.testing.assert_allclose(jax.grad(lambda v: h(v).sum())(x), jax.grad(lambda v: fun(v).sum())(x),
                                    rtol=1e-6)
+
+
+def test_passes_do_not_enter_a_nested_hlopass_program():
+    """An inner hlopass function is its own program with its own settings: the outer pipeline leaves
+    it alone, and it runs its own pipeline once."""
+    inner = hlopass.jit(lambda v: jnp.sin(v ** 2), passes="none")
+    outer = hlopass.jit(lambda v: inner(v) + v ** 2, passes="test_square_to_mul")
+    x = jnp.linspace(0.1, 1.3, 7)
+    np.testing.assert_allclose(outer(x), jnp.sin(x ** 2) + x ** 2, rtol=1e-6)
+    traced = outer.trace(x)
+    assert len(traced.report.rewrites) == 1  # the outer x ** 2 only
+    nested = [e for e in traced.rewritten_jaxpr.jaxpr.eqns if e.primitive.name == "hlopass_call"]
+    assert len(nested) == 1 and nested[0].params["config"].pass_names == ()
+    assert any(e.primitive.name == "integer_pow" for e in nested[0].params["jaxpr"].jaxpr.eqns)
+    labels = [r.label for r in hlopass.reports(outer, x)]
+    assert len(labels) == 2  # hlopass.reports still finds the nested program
+
+
+def test_source_lines_name_the_users_code_not_hlopass():
+    h = hlopass.jit(lambda v: jnp.exp(v) * 2)
+    closed = jax.make_jaxpr(lambda v: h(v) + 1)(jnp.ones(3))
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "hlopass_call")
+    from hlopass.report import source_line
+    assert source_line(eqn).startswith("test_pipeline.py:"), source_line(eqn)
+    text = jax.jit(lambda v: h(v) + 1).lower(jnp.ones(3)).as_text(debug_info=True)
+    assert "test_pipeline.py" in text and "api.py" not in text and "call.py" not in text

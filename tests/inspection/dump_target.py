@@ -16,5 +16,15 @@ def plain_square(x):
     return x * x
 
 
+def raises_value_error(x):
+    if x.shape[0] > 2:
+        raise ValueError("the user's own check failed")
+    return x
+
+
+def raises_key_error(x):
+    return {"a": x}["b"]
+
+
 if __name__ == "__main__":
     raise SystemExit("must not run on import")

@@ -103,3 +103,109 @@ def test_dump_to_environment(tmp_path, monkeypatch):
     assert "exp" in (tmp_path / folders[0] / "original.jaxpr.txt").read_text()
     h(jnp.ones((5, 4)))  # same signature: compiled once, dumped once
     assert len(os.listdir(tmp_path)) == 1
+
+
+# -- misuse and failures: one error line, never a traceback from inside hlopass --------------------
+
+MISUSE = [
+    ([":good", "--arg", "f32[3]"], "must be FILE_OR_MODULE:FUNCTION"),
+    (["{t}:", "--arg", "f32[3]"], "must be FILE_OR_MODULE:FUNCTION"),
+    (["{t}:plain_square", "--arg", "f32[3,,3]"], "is not an argument spec"),
+    (["{t}:plain_square", "--arg", "f32[3,]"], "is not an argument spec"),
+    (["{t}:plain_square", "--arg", "f32[3]", "--threshold", "0"], "threshold='0'"),
+    (["{t}:plain_square", "--arg", "f32[3]", "--threshold", "0.5"], "threshold='0.5'"),
+    (["{t}:plain_square", "--arg", "f32[3]", "--split-size", "0"], "split_size='0'"),
+    (["{t}:plain_square", "--arg", "f32[3]", "--memory-limit", "lots"], "memory_limit='lots'"),
+    (["{t}:plain_square", "--arg", "f32[3]", "--passes", "warp"], "unknown pass 'warp'"),
+    (["{t}:plain_square", "--arg", "f32[3]", "--out", "{file}"], "--out="),
+    (["{t}:plain_square", "--arg", "f32[3]", "--out", "{file}/sub"], "--out="),
+    (["{t}:plain_square", "--arg", "f32[3]", "--arg", "f32[3]"], "calling"),
+]
+
+
+@pytest.mark.parametrize("argv, message", MISUSE, ids=[" ".join(a) for a, _ in MISUSE])
+def test_cli_misuse_is_one_error_line(argv, message, tmp_path, capsys):
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("not a folder")
+    status = main([a.format(t=TARGET, file=a_file) for a in argv])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hlopass-dump: error:") and message in lines[0], err
+
+
+def test_cli_bad_environment_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setenv("HLOPASS_MEMORY_LIMIT", "lots")
+    assert main([f"{TARGET}:plain_square", "--arg", "f32[3]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hlopass-dump: error: HLOPASS_MEMORY_LIMIT='lots'") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("function, error", [("raises_value_error", "ValueError"), ("raises_key_error", "KeyError")])
+def test_cli_user_exception_shows_the_users_frames_only(function, error, capsys):
+    status = main([f"{TARGET}:{function}", "--arg", "f32[5]"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert f"raised {error}" in err and "dump_target.py" in err
+    assert f"{os.sep}hlopass{os.sep}" not in err and "site-packages" not in err, err
+    assert err.splitlines()[-1].startswith("hlopass-dump: error:")
+
+
+def test_cli_strict_over_the_limit_exits_nonzero(monkeypatch, capsys):
+    monkeypatch.setenv("HLOPASS_STRICT", "1")
+    status = main([f"{TARGET}:plain_square", "--arg", "f32[1000]", "--memory-limit", "1kB", "--passes", "none"])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "over the memory limit" in captured.err and "hlopass-dump: error:" in captured.err
+    assert "hlopass report for plain_square" in captured.out
+
+
+def test_cli_errors_never_print_a_traceback_subprocess(tmp_path):
+    """The console script as users run it: the misuse, the user's error and a file for --out."""
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for argv, code in ([":good"], 2), ([f"{TARGET}:raises_value_error", "--arg", "f32[5]"], 1), \
+            ([f"{TARGET}:plain_square", "--arg", "f32[3]", "--out", str(a_file)], 2):
+        result = run_cli(*argv)
+        assert result.returncode == code, result.stderr
+        assert "Traceback (most recent call last)" not in result.stderr, result.stderr
+        assert f"{os.sep}hlopass{os.sep}" not in result.stderr, result.stderr
+
+
+def test_dump_to_unusable_folder_is_a_config_error(tmp_path, monkeypatch):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for folder in (a_file, a_file / "under"):
+        monkeypatch.setenv("HLOPASS_DUMP_TO", str(folder))
+        with pytest.raises(hlopass.ConfigError, match="HLOPASS_DUMP_TO="):
+            hlopass.jit(lambda x: x + 1)(jnp.ones(3))
+        with pytest.raises(hlopass.ConfigError, match="dump_to="):
+            hlopass.jit(lambda x: x + 1, dump_to=folder)
+
+
+def test_failing_dump_warns_and_the_call_goes_on(tmp_path, monkeypatch, caplog):
+    from hlopass import api
+
+    def broken(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(api, "compile_listeners", [broken])
+    h = hlopass.jit(lambda x: jnp.exp(x) @ x.T, dump_to=tmp_path)
+    with caplog.at_level("WARNING", logger="hlopass"):
+        out = h(jnp.ones((3, 2)))
+    assert out.shape == (3, 3)
+    assert "disk full" in caplog.text
+
+
+def test_failing_picture_warns_and_the_call_goes_on(tmp_path, monkeypatch, caplog):
+    import hlopass.inspection.draw as draw
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no renderer")
+
+    monkeypatch.setattr(draw, "draw_explanation", broken)
+    monkeypatch.setenv("HLOPASS_DUMP_FORMAT", "svg")
+    monkeypatch.setenv("HLOPASS_DUMP_TO", str(tmp_path))
+    with caplog.at_level("WARNING", logger="hlopass"):
+        out = hlopass.jit(lambda x: x * 3)(jnp.ones(4))
+    assert float(out.sum()) == 12.0 and "no renderer" in caplog.text
