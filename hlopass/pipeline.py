@@ -178,7 +178,7 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[N
 
 def _check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr, name: str) -> None:
     def sig(avals):
-        return [(a.shape, a.dtype) for a in avals]
+        return [(getattr(a, "shape", None), getattr(a, "dtype", None), type(a)) for a in avals]  # tokens too
     if sig(before.in_avals) != sig(after.in_avals) or sig(before.out_avals) != sig(after.out_avals):
         raise TypeError(f"pass {name} changed the program's signature: "
                         f"{before.in_avals}->{before.out_avals} became {after.in_avals}->{after.out_avals}")
