@@ -10,10 +10,8 @@ BUILTIN: dict[str, str] = {
     "algebraic": "hlopass.passes.algebraic:AlgebraicPass",
     "matrix_chain": "hlopass.passes.matrix_chain:MatrixChainPass",
     "split": "hlopass.passes.split:SplitPass",
-    "topk": "hlopass.passes.topk:TopKPass",
 }
 
 #: Rewrites that change the maths come first (they remove large tensors
-#: outright), reordering next, splitting next (it handles what remains); ``topk``
-#: after it, so that it also reaches the selections inside split loops.
-DEFAULT_PIPELINE: tuple[str, ...] = ("hvp", "algebraic", "matrix_chain", "split", "topk")
+#: outright), reordering next, splitting last (it handles what remains).
+DEFAULT_PIPELINE: tuple[str, ...] = ("hvp", "algebraic", "matrix_chain", "split")
