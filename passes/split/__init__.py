@@ -52,6 +52,7 @@ from hlopass.sizes import format_size
 from .emit import LoopPlan
 from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
+from .unroll import unroll_short_reductions
 
 @dataclasses.dataclass(frozen=True)
 class SplitOptions:
@@ -65,6 +66,10 @@ class SplitOptions:
     max_retries: int = 4
     #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
     live_budget: float = 1.0
+    #: Inside a step, reductions over a last axis this short are unrolled (0: never; see ``unroll.py``)...
+    unroll_max_length: int = 16
+    #: ...when their result has at least this many elements.
+    unroll_min_elements: int = 1024
 
 
 class SplitPass(Pass):
@@ -431,9 +436,15 @@ def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassRepor
     region = candidate.region
     plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk,
                     candidate=candidate)
-    if candidate.nested:
-        inner = dataclasses.replace(config, threshold=config.split_size)
-        plan.refine_step = lambda step: split_level(step, inner, report, options)
+    inner = dataclasses.replace(config, threshold=config.split_size)
+
+    def refine(step: core.ClosedJaxpr) -> core.ClosedJaxpr:
+        if candidate.nested:
+            step = split_level(step, inner, report, options)
+        if options.unroll_max_length:
+            step = unroll_short_reductions(step, report, options.unroll_max_length, options.unroll_min_elements)
+        return step
+    plan.refine_step = refine
     return plan
 
 

@@ -58,6 +58,8 @@ class LoopPlan:
     refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
     #: the pass's choice that produced this plan (for its report)
     candidate: object = None
+    #: steps written out one after the other instead of a loop (short axes, see ``unroll.py``)
+    unroll: bool = False
 
     @functools.cached_property
     def carried(self) -> list:
@@ -234,7 +236,10 @@ class LoopPlan:
             start = (it * chunk).astype(jnp.int32)
             return accumulate(state, start, step(start, *input_values, *running(state)))
 
-        if full > loop_from:
+        if full > loop_from and self.unroll:
+            for it in range(loop_from, full):
+                state = body(jnp.int32(it), state)
+        elif full > loop_from:
             state = lax.fori_loop(loop_from, full, body, state)
         if remainder:
             start = jnp.int32(full * chunk)

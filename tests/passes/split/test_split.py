@@ -30,7 +30,7 @@ def split_jit(fn, threshold=SPLIT, split_size=None):
 
 
 def rewrites(fn, *args, **kw):
-    return [r for r in split_jit(fn, **kw).trace(*args).report.rewrites if r.pass_name == "split"]
+    return [r for r in split_jit(fn, **kw).trace(*args).report.rewrites if r.pass_name == "split" and r.kind == "split"]
 
 
 def check(fn, *args, threshold=SPLIT, split_size=None, rtol=1e-5, atol=1e-5, bounded=True, splits=1):
@@ -38,7 +38,7 @@ def check(fn, *args, threshold=SPLIT, split_size=None, rtol=1e-5, atol=1e-5, bou
     split_size = split_size or threshold
     f = split_jit(fn, threshold, split_size)
     traced = f.trace(*args)
-    done = [r for r in traced.report.rewrites if r.pass_name == "split"]
+    done = [r for r in traced.report.rewrites if r.pass_name == "split" and r.kind == "split"]
     assert (len(done) >= 1 if splits is None else len(done) == splits), traced.report
     for entry in done:
         assert entry.details["chunk_bytes"] <= split_size or entry.details["nested"]

@@ -1,0 +1,69 @@
+"""Short last-axis reductions inside a split step, unrolled into elementwise steps.
+
+XLA:CPU reduces a short minor axis (``sum(|q[:, None, :] - p[None]|, -1)`` with ``d = 3``) one
+output element at a time: about 10 ns per element read, against well under 1 ns for the same
+arithmetic as elementwise work along the long axes. A split step of a kNN or kernel program spends
+most of its time there (``tools/bench_split_speed.py``). So, inside each step the split pass emits,
+a ``reduce_sum``/``reduce_max``/``reduce_min``/``reduce_prod`` over the last axis of length at most
+``SplitOptions.unroll_max_length`` is emitted as that many elementwise steps: the region that builds
+its operand (grown along that axis with the split rules) is evaluated on slices of the region's
+inputs, and the slices combined elementwise. Sums may round differently (a different order, as any
+split); maxima and minima are exact, NaN propagating as the split pass documents.
+
+Left alone: reductions over other axes, longer axes, small outputs, and regions whose unreduced values
+other equations also read (the unrolled form would have to build them whole anyway).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax._src import core
+
+from hlopass.graph import DataflowGraph
+from hlopass.interpreter import Replacement, rewrite
+from hlopass.report import PassReport, source_line
+
+from .emit import LoopPlan
+from .region import Infeasible, grow_region
+from .rules import dim_map
+
+UNROLLABLE = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+
+
+def unroll_short_reductions(closed: core.ClosedJaxpr, report: PassReport, max_length: int,
+                            min_elements: int) -> core.ClosedJaxpr:
+    """``closed`` with its short last-axis reductions unrolled (``closed`` itself if none)."""
+    jaxpr = closed.jaxpr
+    graph = None
+    replacements, taken = [], set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name not in UNROLLABLE:
+            continue
+        shape = eqn.invars[0].aval.shape
+        if not shape or tuple(eqn.params["axes"]) != (len(shape) - 1,):
+            continue
+        if not 2 <= shape[-1] <= max_length or math.prod(shape[:-1]) < min_elements:
+            continue
+        dm = dim_map(eqn)
+        if dm is None:
+            continue
+        graph = graph or DataflowGraph(jaxpr)
+        try:
+            region = grow_region(jaxpr, graph, i, dm.ins[0][-1], 0)
+        except Infeasible:
+            continue
+        outputs = region.outputs(jaxpr, graph)
+        if region.eqns & taken or any(region.var_axis.get(v) is not None for v in outputs):
+            continue  # only reductions leave the region (a NaN check beside a max is one of them)
+        taken |= region.eqns
+        plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), outputs, 1, unroll=True)
+        replacements.append(Replacement(sorted(region.eqns), plan.input_vars, outputs, plan.build, anchor=i))
+        summary = (f"{eqn.primitive.name} over a last axis of {shape[-1]} inside a split step: "
+                   f"{shape[-1]} elementwise steps over slices of its {len(region.eqns)}-equation region's inputs")
+        if not any(r.kind == "unrolled" and r.summary == summary and r.location == source_line(eqn)
+                   for r in report.rewrites):  # a remainder step is the same reduction again
+            report.rewrite("unrolled", eqn, summary, length=shape[-1], equations=len(region.eqns))
+    if not replacements:
+        return closed
+    return rewrite(closed, replacements, name="split_unroll")
