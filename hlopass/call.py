@@ -33,6 +33,7 @@ from jax._src.tree_util import tree_flatten, tree_unflatten
 from jax._src.util import merge_lists, split_list, subs_list, weakref_lru_cache
 from jax._src import linear_util as lu
 
+from hlopass import sharding
 from hlopass.jaxpr_utils import aval_nbytes, trace_flat
 from hlopass.memory import MemoryCheck, enforce, measure
 from hlopass.pipeline import before_linearize, run_pipeline
@@ -61,7 +62,9 @@ hlopass_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
 def _lowering(ctx, *args, jaxpr, config, name, notes):
-    rewritten = run_pipeline(jaxpr, config, label=name, notes=notes).jaxpr
+    # the passes see how the jit arguments are sharded, and re-trace inside shard_map with its axes bound
+    with sharding.inputs_sharded(sharding.operand_shards(ctx, args)), sharding.manual_context(ctx):
+        rewritten = run_pipeline(jaxpr, config, label=name, notes=notes).jaxpr
     return mlir.core_call_lowering(ctx, *args, name=f"hlopass_{_safe(name)}", call_jaxpr=rewritten)
 
 
@@ -255,7 +258,8 @@ class CheckedJit:
     transformation (tracer arguments) call ``staged`` directly so that the
     ``hlopass_call`` it binds meets the transformation: under eager
     ``jax.grad`` its primal and backward parts then run through the checked
-    primitive implementation.
+    primitive implementation (through ``jax.jit`` when ``in_shardings`` or
+    ``out_shardings`` are given, so that they hold there too).
     """
 
     def __init__(self, staged, jit_kwargs: dict, config, label: str, on_first_compile=None):
@@ -266,6 +270,7 @@ class CheckedJit:
         self.on_first_compile = on_first_compile
         self.static_argnums = _as_tuple(jit_kwargs.get("static_argnums"))
         self.static_argnames = _as_tuple(jit_kwargs.get("static_argnames"))
+        self.placed = any(jit_kwargs.get(k) is not None for k in ("in_shardings", "out_shardings"))
         self.checked: dict = {}
 
     @property
@@ -291,6 +296,8 @@ class CheckedJit:
     def __call__(self, *args, **kwargs):
         key = self.signature(args, kwargs)
         if key is None:
+            if self.placed:  # in_shardings/out_shardings hold under transformations too (as jax.jit's)
+                return self.jitted(*args, **kwargs)
             return self.unjitted(*args, **kwargs)
         try:
             known = key in self.checked

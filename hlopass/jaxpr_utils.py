@@ -11,6 +11,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE
+from hlopass.sharding import body_context
 
 def aval_nbytes(aval) -> int:
     """Bytes of an array abstract value (0 for tokens and other non-arrays)."""
@@ -68,10 +69,16 @@ def has_subjaxprs(eqn) -> bool:
 def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> dict | None:
     """``eqn.params`` with every sub-jaxpr passed through ``transform``; ``None`` if none changed.
 
-    Open ``Jaxpr`` params (``checkpoint``) are closed for the transform and
-    kept as they were when the result needs constants.
+    Open ``Jaxpr`` params (``checkpoint``, ``shard_map``) are closed for the transform and
+    kept as they were when the result needs constants. A ``shard_map`` body is transformed with
+    its manual axes bound (:func:`hlopass.sharding.body_context`).
     """
     changed = False
+    inner = transform
+
+    def transform(closed):
+        with body_context(eqn):
+            return inner(closed)
 
     def visit(value):
         nonlocal changed
