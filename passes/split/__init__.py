@@ -55,7 +55,7 @@ from hlopass.jaxpr_utils import (aval_nbytes, aval_str, call_body, has_subjaxprs
                                  map_subjaxprs, subjaxprs)
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport, source_line
-from hlopass.sharding import dim_shards, sharding_pieces, type_shards
+from hlopass.sharding import dim_shards, input_shards, sharding_pieces, type_shards
 from hlopass.sizes import format_size
 
 from .emit import LoopPlan
@@ -420,8 +420,9 @@ def sharded_values(jaxpr: core.Jaxpr) -> dict:
     shardings of the jax.jit arguments that are the program's inputs (:func:`hlopass.sharding.dim_shards`), followed forward through
     every equation with an axis rule (a dimension keeps its pieces where its label survives).
     """
+    inputs = input_shards()
     try:
-        return _shards_cache[jaxpr]
+        return _shards_cache[jaxpr][inputs]
     except (KeyError, TypeError):
         pass
     known: dict = {}
@@ -454,7 +455,7 @@ def sharded_values(jaxpr: core.Jaxpr) -> dict:
                         current[axis] = max(current[axis], count)
                         known[out] = tuple(current)
     try:
-        _shards_cache[jaxpr] = known
+        _shards_cache.setdefault(jaxpr, {})[inputs] = known
     except TypeError:
         pass
     return known
