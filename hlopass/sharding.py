@@ -91,6 +91,19 @@ def axis_is_sharded(var, axis: int | None, jaxpr=None) -> bool:
     return pieces is not None and axis < len(pieces) and pieces[axis] > 1
 
 
+def argument_shards(checked, args, kwargs) -> tuple | None:
+    """Pieces per dimension of each dynamic argument leaf of a call of ``checked`` (a
+    :class:`~hlopass.call.CheckedJit`), in the order the ``hlopass_call`` receives them."""
+    if checked.static_argnums or checked.static_argnames:
+        args = tuple(a for i, a in enumerate(args) if i not in checked.static_argnums)
+        kwargs = {k: v for k, v in kwargs.items() if k not in checked.static_argnames}
+    found = []
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        shape = getattr(leaf, "shape", None)
+        found.append(None if shape is None else sharding_pieces(getattr(leaf, "sharding", None), len(shape)))
+    return tuple(found) if any(found) else None
+
+
 # -- the lowering rule's view of its operands ----------------------------------------------------------
 
 _AXIS = re.compile(r'"([^"]+)"(?::\((\d+)\)(\d+))?')

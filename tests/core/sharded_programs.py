@@ -75,6 +75,9 @@ def _compare(name, ours, ref, args, grad_of=None, hlopass_fn=None) -> dict:
     if hlopass_fn is not None:
         report = hlopass_fn.trace(*args).report if hasattr(hlopass_fn, "trace") else None
         row["splits"] = None if report is None else sum(1 for r in report.rewrites if r.kind == "split")
+        # the report's splits are those of the compiled program: never the sharded rows (axis 0)
+        row["split_axes"] = [] if report is None else [r.details["axis"] for r in report.rewrites
+                                                       if r.kind == "split"]
     if grad_of is not None:
         grad_ours = jax.jit(jax.grad(grad_of(ours), argnums=(0, 2)))
         grad_ref = jax.jit(jax.grad(grad_of(ref), argnums=(0, 2)))
@@ -112,7 +115,11 @@ def case_placed(axis_type: str = "Auto", dtype: str = "float32") -> dict:
     mesh = jax.make_mesh((4,), ("x",), axis_types=(getattr(AxisType, axis_type),))
     args = _inputs(jax, mesh, P("x"), getattr(jax.numpy, dtype))
     ours = hlopass.jit(kernel_matvec, threshold=THRESHOLD, split_size=SPLIT)
-    return _compare(f"placed_{axis_type}_{dtype}", ours, jax.jit(kernel_matvec), args, _loss, ours)
+    row = _compare(f"placed_{axis_type}_{dtype}", ours, jax.jit(kernel_matvec), args, _loss, ours)
+    explained = hlopass.explain(ours, *args)  # per-device XLA figures before and after the passes
+    row["explain"] = dict(before=explained.memory_before.temp_bytes, after=explained.memory_after.temp_bytes,
+                          split_axes=[r.details["axis"] for r in explained.report.rewrites if r.kind == "split"])
+    return row
 
 
 def case_given() -> dict:

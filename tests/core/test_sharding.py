@@ -67,8 +67,11 @@ def test_shardings_of_placed_inputs_are_kept(case):
     sharded P("x") as jax.jit's (it came back replicated), and bounded per device."""
     row = _rows()[case]
     check_row(row)
-    assert row["splits"] >= 1
+    assert row["splits"] >= 1 and 0 not in row["split_axes"], row["split_axes"]
     assert row["value_shardings"][0].startswith("P('x'")
+    explained = row["explain"]  # hlopass.explain: the compiled program's splits and per-device figures
+    assert explained["split_axes"] == row["split_axes"]
+    assert explained["before"] == row["jit"]["temp"] and explained["after"] == row["hlopass"]["temp"]
 
 
 def test_float64_placed_inputs():
