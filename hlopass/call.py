@@ -230,9 +230,9 @@ pe.dce_rules[hlopass_call_p] = _dce_rule
 # -- calling compiled hlopass programs -------------------------------------------------------
 
 def leaf_signature(leaf):
-    """What of an argument leaf decides a recompile: shape, dtype, weak type (or the Python type)."""
+    """What of an argument leaf decides a recompile: shape, dtype, weak type, sharding (or the Python type)."""
     if isinstance(leaf, jax.Array):
-        return leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)
+        return leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), getattr(leaf, "sharding", None)
     shape = getattr(leaf, "shape", None)
     dtype = getattr(leaf, "dtype", None)
     if shape is not None and dtype is not None:
@@ -280,7 +280,7 @@ class CheckedJit:
     def signature(self, args, kwargs):
         """The cache key of a call, or ``None`` when an argument is a tracer."""
         if not kwargs and not self.static_argnums and all(type(a) is ArrayImpl for a in args):
-            return tuple((a.shape, a.dtype, a.weak_type) for a in args)  # the common case, without flattening
+            return tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in args)  # common case: no flattening
         static = ()
         if self.static_argnums or self.static_argnames:
             static = (tuple(args[i] for i in self.static_argnums if i < len(args)),

@@ -116,6 +116,10 @@ def case_placed(axis_type: str = "Auto", dtype: str = "float32") -> dict:
     args = _inputs(jax, mesh, P("x"), getattr(jax.numpy, dtype))
     ours = hlopass.jit(kernel_matvec, threshold=THRESHOLD, split_size=SPLIT)
     row = _compare(f"placed_{axis_type}_{dtype}", ours, jax.jit(kernel_matvec), args, _loss, ours)
+    whole = [jax.device_put(a, jax.sharding.NamedSharding(mesh, P())) for a in args]
+    checks = len(ours.memory_checks())
+    row["whole_error"] = _rel(ours(*whole), jax.jit(kernel_matvec)(*whole))
+    row["new_check_per_sharding"] = len(ours.memory_checks()) == checks + 1  # another layout: checked again
     explained = hlopass.explain(ours, *args)  # per-device XLA figures before and after the passes
     row["explain"] = dict(before=explained.memory_before.temp_bytes, after=explained.memory_after.temp_bytes,
                           split_axes=[r.details["axis"] for r in explained.report.rewrites if r.kind == "split"])

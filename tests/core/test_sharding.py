@@ -69,6 +69,7 @@ def test_shardings_of_placed_inputs_are_kept(case):
     check_row(row)
     assert row["splits"] >= 1 and 0 not in row["split_axes"], row["split_axes"]
     assert row["value_shardings"][0].startswith("P('x'")
+    assert row["new_check_per_sharding"] and row["whole_error"] <= TOLERANCE["float32"]
     explained = row["explain"]  # hlopass.explain: the compiled program's splits and per-device figures
     assert explained["split_axes"] == row["split_axes"]
     assert explained["before"] == row["jit"]["temp"] and explained["after"] == row["hlopass"]["temp"]
