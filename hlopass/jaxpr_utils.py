@@ -74,21 +74,20 @@ def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]
     its manual axes bound (:func:`hlopass.sharding.body_context`).
     """
     changed = False
-    inner = transform
 
-    def transform(closed):
+    def in_context(closed):
         with body_context(eqn):
-            return inner(closed)
+            return transform(closed)
 
     def visit(value):
         nonlocal changed
         if isinstance(value, core.ClosedJaxpr):
-            new = transform(value)
+            new = in_context(value)
             if new is not value:
                 changed = True
             return new
         if isinstance(value, core.Jaxpr):
-            new = transform(core.ClosedJaxpr(value, ()))
+            new = in_context(core.ClosedJaxpr(value, ()))
             if new.jaxpr is not value and not new.consts:
                 changed = True
                 return new.jaxpr
