@@ -14,7 +14,7 @@ from jax._src import config as jax_config
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
-from hlopass import settings
+from hlopass import settings, sharding
 from hlopass.call import CheckedJit, hlopass_call_p
 from hlopass.config import Config
 from hlopass.errors import ConfigError
@@ -135,7 +135,10 @@ class HlopassFunction:
 
     def trace_with(self, config: Config, *args, **kwargs) -> "Traced":
         """:meth:`trace` with the given settings instead of those in force now."""
-        return Traced(self._checked(config).jitted.trace(*args, **kwargs), config, self.label)
+        checked = self._checked(config)
+        traced = Traced(checked.jitted.trace(*args, **kwargs), config, self.label)
+        traced.input_shards = sharding.argument_shards(checked, args, kwargs)
+        return traced
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Lower to the rewritten StableHLO (``.as_text()``); ``.compile()`` checks the memory limit."""
@@ -275,6 +278,7 @@ class Traced:
         self._traced = traced
         self.config = config
         self.label = label
+        self.input_shards = None  # how the arguments are sharded (the passes see it, as when lowering)
 
     def __getattr__(self, name):
         return getattr(self._traced, name)
@@ -287,7 +291,11 @@ class Traced:
     @functools.cached_property
     def _result(self):
         eqn = _hlopass_eqn(self._traced.jaxpr)
-        return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"], eqn.params["notes"])
+        shards = self.input_shards
+        if shards is not None:  # the constants come first
+            shards = (None,) * (len(eqn.params["jaxpr"].in_avals) - len(shards)) + tuple(shards)
+        with sharding.inputs_sharded(shards):
+            return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"], eqn.params["notes"])
 
     @property
     def rewritten_jaxpr(self) -> core.ClosedJaxpr:

@@ -54,6 +54,7 @@ from jax._src.tree_util import FlatTree, tree_flatten, tree_unflatten
 from jax._src.util import merge_lists, split_list, subs_list, weakref_lru_cache
 from jax._src import linear_util as lu
 
+from hlopass import sharding
 from hlopass.families import CHEAP_TO_RECOMPUTE
 from hlopass.jaxpr_utils import aval_nbytes, bytes_upper_bound, trace_flat
 from hlopass.memory import MemoryCheck, enforce, measure
@@ -104,7 +105,9 @@ _measured_by_caller: contextvars.ContextVar = contextvars.ContextVar("hlopass_me
 
 
 def _lowering(ctx, *args, jaxpr, config, name, notes):
-    result = run_pipeline(jaxpr, config, label=name, notes=notes)
+    # the passes see how the jit arguments are sharded, and re-trace inside shard_map with its axes bound
+    with sharding.inputs_sharded(sharding.operand_shards(ctx, args)), sharding.manual_context(ctx):
+        result = run_pipeline(jaxpr, config, label=name, notes=notes)
     whole = _measured_by_caller.get()
     if whole is not None and whole.result is None:
         whole.result = result
@@ -449,9 +452,9 @@ pe.dce_rules[hlopass_call_p] = _dce_rule
 # -- calling compiled hlopass programs -------------------------------------------------------
 
 def leaf_signature(leaf):
-    """What of an argument leaf decides a recompile: shape, dtype, weak type (or the Python type)."""
+    """What of an argument leaf decides a recompile: shape, dtype, weak type, sharding (or the Python type)."""
     if isinstance(leaf, jax.Array):
-        return leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)
+        return leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), getattr(leaf, "sharding", None)
     shape = getattr(leaf, "shape", None)
     dtype = getattr(leaf, "dtype", None)
     if shape is not None and dtype is not None:
@@ -508,7 +511,7 @@ class CheckedJit:
     def signature(self, args, kwargs):
         """The cache key of a call, or ``None`` when an argument is a tracer."""
         if not kwargs and not self.static_argnums and all(type(a) is ArrayImpl for a in args):
-            return tuple((a.shape, a.dtype, a.weak_type) for a in args)  # the common case, without flattening
+            return tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in args)  # common case: no flattening
         static = ()
         if self.static_argnums or self.static_argnames:
             static = (tuple(args[i] for i in self.static_argnums if i < len(args)),

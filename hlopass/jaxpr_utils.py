@@ -11,6 +11,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE, OWN_PROGRAMS
+from hlopass.sharding import body_context
 
 
 def aval_nbytes(aval) -> int:
@@ -74,22 +75,27 @@ def has_subjaxprs(eqn) -> bool:
 def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> dict | None:
     """``eqn.params`` with every sub-jaxpr passed through ``transform``; ``None`` if none changed.
 
-    Open ``Jaxpr`` params (``checkpoint``) are closed for the transform and
-    kept as they were when the result needs constants.
+    Open ``Jaxpr`` params (``checkpoint``, ``shard_map``) are closed for the transform and
+    kept as they were when the result needs constants. A ``shard_map`` body is transformed with
+    its manual axes bound (:func:`hlopass.sharding.body_context`).
     """
     if eqn.primitive.name in OWN_PROGRAMS:
         return None
     changed = False
 
+    def in_context(closed):
+        with body_context(eqn):
+            return transform(closed)
+
     def visit(value):
         nonlocal changed
         if isinstance(value, core.ClosedJaxpr):
-            new = transform(value)
+            new = in_context(value)
             if new is not value:
                 changed = True
             return new
         if isinstance(value, core.Jaxpr):
-            new = transform(core.ClosedJaxpr(value, ()))
+            new = in_context(core.ClosedJaxpr(value, ()))
             if new.jaxpr is not value and not new.consts:
                 changed = True
                 return new.jaxpr

@@ -27,6 +27,7 @@ from hlopass.interpreter import inline_calls
 from hlopass.jaxpr_utils import count_equations, largest_values, values_above
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport, PipelineReport
+from hlopass.sharding import input_shards
 
 logger = logging.getLogger("hlopass")
 
@@ -99,7 +100,7 @@ _cache: "weakref.WeakKeyDictionary[core.ClosedJaxpr, dict]" = weakref.WeakKeyDic
 
 def run_pipeline(closed: core.ClosedJaxpr, config: Config, label: str = "function",
                  notes: Sequence[Note] = ()) -> PipelineResult:
-    """Run ``config.passes`` on ``closed``; cached per (jaxpr object, config, notes).
+    """Run ``config.passes`` on ``closed``; cached per (jaxpr object, config, notes, input shardings).
 
     ``notes`` are findings the passes' extension points made for this program;
     each goes to the report of the pass that made it.
@@ -108,7 +109,7 @@ def run_pipeline(closed: core.ClosedJaxpr, config: Config, label: str = "functio
         per_jaxpr = _cache.setdefault(closed, {})
     except TypeError:
         per_jaxpr = {}
-    key = (config, tuple(notes))
+    key = (config, tuple(notes), input_shards())
     if key not in per_jaxpr:
         per_jaxpr[key] = _run(closed, config, label, notes)
     return per_jaxpr[key]

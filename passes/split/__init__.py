@@ -25,6 +25,13 @@ its results. The chunk keeps the largest value of one iteration within
 ``config.split_size``; when no single axis can, one iteration is split again
 along a second axis (nested loops).
 
+Sharded programs: an axis cut across devices (by an explicit sharding in the
+value's type, or by the sharding of a ``jax.jit`` argument) is never split,
+so every device loops over its own shard along another axis and the
+results keep the shardings jax.jit gives; loop carries take the varying
+manual axes and explicit sharding of the values they build; ``shard_map``
+bodies are split with their manual axes bound, collectives left in place.
+
 Leaves alone: what cannot be split (no rule, random numbers, sort or a
 cumulative op along the axis, a factorisation of a large matrix...),
 reported with its source line; a region whose loop cannot be built and a
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 from jax._src import core
 
@@ -47,11 +55,13 @@ from hlopass.jaxpr_utils import (aval_nbytes, aval_str, call_body, has_subjaxprs
                                  map_subjaxprs, subjaxprs)
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport, source_line
+from hlopass.sharding import dim_shards, input_shards, sharding_pieces, type_shards
 from hlopass.sizes import format_size
 
 from .emit import LoopPlan
 from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
+from .rules import dim_map
 from .unroll import unroll_short_reductions
 
 @dataclasses.dataclass(frozen=True)
@@ -373,6 +383,12 @@ def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptio
         except Infeasible as err:
             why = (seed, err.eqn_index, f"cannot split the reduction at {_where(jaxpr, seed)}: {err.reason}")
             continue
+        sharded = _sharded_split_axis(jaxpr, region)
+        if sharded is not None:
+            why = (seed, seed, f"cannot split the reduction at {_where(jaxpr, seed)} along axis {sharded[1]} of "
+                               f"{aval_str(sharded[0].aval)}: that axis is sharded across devices (its loop "
+                               f"would gather the shards onto every device)")
+            continue
         candidate = _candidate(jaxpr, graph, region, config, options)
         if candidate is None:
             why = (seed, seed, "the large operand is not computed here (an input or a value needed elsewhere)")
@@ -380,6 +396,74 @@ def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptio
         if best is None or candidate.key() > best.key():
             best = candidate
     return best, why
+
+
+def _sharded_split_axis(jaxpr, region: SplitRegion):
+    """``(value, axis)`` of a region value or input whose split axis is cut across devices, or ``None``.
+
+    A loop over a sharded axis would slice it at offsets that cross devices: XLA gathers the whole
+    operand onto every device (and each device then runs every iteration). Another axis keeps the
+    shardings jax.jit gives, each device looping over its own shard.
+    """
+    shards = sharded_values(jaxpr)
+    if not shards:
+        return None
+    for var, axis in [*region.inputs(jaxpr), *region.var_axis.items()]:
+        pieces = shards.get(var)
+        if axis is not None and pieces is not None and pieces[axis] > 1:
+            return var, axis
+    return None
+
+
+_shards_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def sharded_values(jaxpr: core.Jaxpr) -> dict:
+    """Pieces per dimension of each value of ``jaxpr`` known to be cut across devices.
+
+    Known: an explicit sharding in a value's type, a ``with_sharding_constraint``, and the
+    shardings of the jax.jit arguments that are the program's inputs (:func:`hlopass.sharding.dim_shards`), followed forward through
+    every equation with an axis rule (a dimension keeps its pieces where its label survives).
+    """
+    inputs = input_shards()
+    try:
+        return _shards_cache[jaxpr][inputs]
+    except (KeyError, TypeError):
+        pass
+    known: dict = {}
+    for var in jaxpr.invars:
+        pieces = dim_shards(var, jaxpr)
+        if pieces is not None:
+            known[var] = pieces
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            pieces = type_shards(var.aval)
+            if pieces is None and eqn.primitive.name == "sharding_constraint":
+                pieces = sharding_pieces(eqn.params.get("sharding"), len(var.aval.shape))
+            if pieces is not None:
+                known[var] = pieces
+        operands = [known.get(a) if isinstance(a, core.Var) else None for a in eqn.invars]
+        if not any(operands) or any(not isinstance(v, core.DropVar) and v in known for v in eqn.outvars):
+            continue
+        labels = dim_map(eqn)
+        if labels is None:
+            continue
+        for k, pieces in enumerate(operands):
+            for d, count in enumerate(pieces or ()):
+                label = labels.ins[k][d] if k < len(labels.ins) and d < len(labels.ins[k]) else None
+                if count <= 1 or label is None or label in labels.reduced:
+                    continue
+                for r, out in enumerate(eqn.outvars):
+                    axis = labels.out_axis(label, r)
+                    if axis is not None and not isinstance(out, core.DropVar):
+                        current = list(known.get(out, (1,) * len(out.aval.shape)))
+                        current[axis] = max(current[axis], count)
+                        known[out] = tuple(current)
+    try:
+        _shards_cache.setdefault(jaxpr, {})[inputs] = known
+    except TypeError:
+        pass
+    return known
 
 
 def _report_skip(report: PassReport, jaxpr, seed: int, index: int, reason: str) -> None:

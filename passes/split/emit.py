@@ -40,6 +40,7 @@ from jax._src import core
 from hlopass.interpreter import bind_equation
 from hlopass.families import ELEMENTWISE_MONOIDS
 from hlopass.jaxpr_utils import trace_flat
+from hlopass.sharding import conform, distributed_type
 
 from .region import SplitRegion
 from .rules import SCATTER_MONOIDS, chunk_params, combine, identity
@@ -206,14 +207,13 @@ class LoopPlan:
             for k, var in enumerate(self.carried):
                 axis = self.output_axis(var)
                 if axis is not None:
-                    new_state[k] = lax.dynamic_update_slice_in_dim(state[k], partial[k].astype(state[k].dtype),
-                                                                   start, axis)
+                    new_state[k] = lax.dynamic_update_slice_in_dim(state[k], _like(partial[k], state[k]), start, axis)
                     continue
                 monoid = self.monoid_of(var)
                 if var in scattered:
                     new_state[k] = partial[k]  # the slice was scattered into the running result
                 elif monoid in ELEMENTWISE_MONOIDS:
-                    new_state[k] = combine(monoid, state[k], partial[k].astype(state[k].dtype))
+                    new_state[k] = combine(monoid, state[k], _like(partial[k], state[k]))
                 elif monoid in ("argmax", "argmin"):
                     j = n + arg_outputs.index(var)
                     new_state[k], new_state[j] = _arg_merge(monoid, (state[j], state[k]), (extras[var], partial[k]))
@@ -230,6 +230,11 @@ class LoopPlan:
             loop_from = 1
         else:
             state = self._initial_state(None, values)
+            if any(distributed_type(core.typeof(v)) for v in (*input_values, *operands)):
+                # the carries take the types of the step's results (mesh, sharding, manual axes)
+                types = trace_flat(step, [core.typeof(v) for v in (jnp.int32(0), *input_values, *operands)],
+                                   "split_step_types").out_avals
+                state = [conform(value, aval) for value, aval in zip(state, types)]
             loop_from = 0
 
         def body(it, state):
@@ -259,7 +264,7 @@ class LoopPlan:
 
     def _initial_state(self, first, values: dict) -> list:
         """Buffers for axis outputs, identities for accumulators, a scatter's operand for its running
-        result; the first step's values if given."""
+        result; the first step's values if given; each with its value's manual axes and sharding."""
         state = []
         scatter_of = {v: i for i, v in self.scatters}
         for k, var in enumerate(self.carried):
@@ -292,7 +297,10 @@ class LoopPlan:
             dtype = eqn.invars[0].aval.dtype
             worst = "max" if self.monoid_of(var) == "argmin" else "min"
             state.append(jnp.full(var.aval.shape, _extreme(worst, dtype), dtype))
-        return state
+        # a loop carry has the type of the value it builds: its varying manual axes (inside
+        # shard_map) and its explicit sharding, which the step's results have
+        avals = [v.aval for v in self.carried] + [v.aval for v in self.carried if self._is_arg_reduced(v)]
+        return [conform(value, aval) for value, aval in zip(state, avals)]
 
     def _top_k_merge(self, i: int, state, new_state, partial) -> None:
         eqn = self.jaxpr.eqns[i]
@@ -325,6 +333,11 @@ def _positive_nan(values):
 
 def _is_low_float(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def _like(partial, state):
+    """A step's partial result with the dtype, manual axes and explicit sharding of its loop carry."""
+    return conform(partial.astype(state.dtype), core.typeof(state))
 
 
 def _accumulator_dtype(monoid: str, dtype):

@@ -1,0 +1,250 @@
+"""What passes need to know about JAX's distribution: how values are sharded, and the manual axes of
+``shard_map`` bodies.
+
+* :func:`dim_shards` - into how many pieces each dimension of a value is cut across devices: read
+  from the value's type under an ``Explicit`` mesh (:func:`sharding_pieces` reads a
+  ``with_sharding_constraint``'s), or, for the program's inputs under an ``Auto``
+  mesh, from the shardings of the ``jax.jit`` arguments they are (found by the ``hlopass_call``
+  lowering rule in the module's ``sdy.sharding`` argument attributes, :func:`operand_shards`, and
+  made known to the passes with :func:`inputs_sharded`).
+* :func:`body_context` / :func:`manual_context` - the context (axis names bound, the mesh with its
+  manual axes, varying-axes checking) in which a ``shard_map`` body, or a program lowered inside one,
+  is re-traced: without it a collective or ``pcast`` in the body fails with "unbound axis name".
+* :func:`conform` - a value given the varying manual axes and the explicit sharding of a type (loop
+  carries initialised outside a body must have the type the body returns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import re
+from typing import Any, Sequence
+
+import jax
+from jax._src import config as jax_config
+from jax._src import core
+from jax._src import mesh as mesh_lib
+
+_INPUT_SHARDS: contextvars.ContextVar = contextvars.ContextVar("hlopass_input_shards", default=None)
+
+
+# -- shardings of values ----------------------------------------------------------------------------
+
+def type_shards(aval) -> tuple[int, ...] | None:
+    """Pieces per dimension of a value whose type carries an explicit sharding; ``None`` otherwise."""
+    shape = getattr(aval, "shape", None)
+    return None if shape is None else sharding_pieces(getattr(aval, "sharding", None), len(shape))
+
+
+def sharding_pieces(sharding, rank: int) -> tuple[int, ...] | None:
+    """Pieces per dimension of a ``NamedSharding`` of a rank-``rank`` value (``None``: whole everywhere)."""
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True):
+        return None
+    sizes = dict(mesh.shape)
+    pieces = []
+    for k in range(rank):
+        entry = spec[k] if k < len(spec) else None
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        pieces.append(math.prod(sizes.get(name, 1) for name in names))
+    return tuple(pieces) if any(p > 1 for p in pieces) else None
+
+
+def input_shards() -> tuple | None:
+    """Pieces per dimension of each input of the program being rewritten (``None`` where unknown)."""
+    return _INPUT_SHARDS.get()
+
+
+@contextlib.contextmanager
+def inputs_sharded(shards: Sequence[tuple[int, ...] | None] | None):
+    """Within: :func:`input_shards` is ``shards`` (one entry per program input)."""
+    token = _INPUT_SHARDS.set(None if shards is None or not any(shards) else tuple(shards))
+    try:
+        yield
+    finally:
+        _INPUT_SHARDS.reset(token)
+
+
+def dim_shards(var, jaxpr=None) -> tuple[int, ...] | None:
+    """Pieces per dimension of ``var``: its explicit type's, or (an input of the top-level program
+    ``jaxpr``) its jax.jit argument's; ``None`` when it is whole on every device or unknown."""
+    found = type_shards(getattr(var, "aval", None))
+    if found is not None or jaxpr is None:
+        return found
+    shards = _INPUT_SHARDS.get()
+    if shards is None or len(shards) != len(jaxpr.invars):
+        return None
+    for invar, entry in zip(jaxpr.invars, shards):
+        if invar is var:
+            return entry if entry is not None and len(entry) == len(var.aval.shape) else None
+    return None
+
+
+def axis_is_sharded(var, axis: int | None, jaxpr=None) -> bool:
+    """Whether dimension ``axis`` of ``var`` is cut across devices."""
+    if axis is None:
+        return False
+    pieces = dim_shards(var, jaxpr)
+    return pieces is not None and axis < len(pieces) and pieces[axis] > 1
+
+
+def argument_shards(checked, args, kwargs) -> tuple | None:
+    """Pieces per dimension of each dynamic argument leaf of a call of ``checked`` (a
+    :class:`~hlopass.call.CheckedJit`), in the order the ``hlopass_call`` receives them."""
+    if checked.static_argnums or checked.static_argnames:
+        args = tuple(a for i, a in enumerate(args) if i not in checked.static_argnums)
+        kwargs = {k: v for k, v in kwargs.items() if k not in checked.static_argnames}
+    found = []
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        shape = getattr(leaf, "shape", None)
+        found.append(None if shape is None else sharding_pieces(getattr(leaf, "sharding", None), len(shape)))
+    return tuple(found) if any(found) else None
+
+
+# -- the lowering rule's view of its operands ----------------------------------------------------------
+
+_AXIS = re.compile(r'"([^"]+)"(?::\((\d+)\)(\d+))?')
+_MESH_AXIS = re.compile(r'"([^"]+)"\s*=\s*(\d+)')
+
+
+def operand_shards(ctx, args: Sequence[Any]) -> tuple | None:
+    """Pieces per dimension of each operand of a lowering rule that is an argument of the module's
+    entry function carrying an ``sdy.sharding`` attribute (``None`` for the others); ``None`` when
+    no operand is known to be sharded."""
+    try:
+        from jax._src.lib.mlir import ir
+    except ImportError:  # pragma: no cover - jaxlib always ships its MLIR bindings
+        return None
+    found = []
+    for arg, aval in zip(args, ctx.avals_in):
+        value = arg[0] if isinstance(arg, (tuple, list)) and len(arg) == 1 else arg
+        entry = None
+        if isinstance(value, ir.BlockArgument):
+            try:
+                entry = _block_argument_shards(ctx.module_context.module, value, len(getattr(aval, "shape", ())))
+            except Exception:  # noqa: BLE001 - unknown attribute forms: treated as not sharded
+                entry = None
+        found.append(entry)
+    return tuple(found) if any(found) else None
+
+
+def _block_argument_shards(module, value, rank: int) -> tuple[int, ...] | None:
+    func = value.owner.owner
+    if "arg_attrs" not in func.attributes:
+        return None
+    attrs = func.attributes["arg_attrs"][value.arg_number]
+    text = str(attrs)
+    start = text.find("#sdy.sharding<")
+    if start < 0:
+        return None
+    return parse_sdy_sharding(text[start:], _module_meshes(module), rank)
+
+
+def _module_meshes(module) -> dict[str, dict[str, int]]:
+    meshes = {}
+    for op in module.body.operations:
+        if op.operation.name == "sdy.mesh":
+            name = str(op.attributes["sym_name"]).strip('"')
+            meshes[name] = {k: int(v) for k, v in _MESH_AXIS.findall(str(op.attributes["mesh"]))}
+    return meshes
+
+
+def parse_sdy_sharding(text: str, meshes: dict[str, dict[str, int]], rank: int) -> tuple[int, ...] | None:
+    """Pieces per dimension of an ``#sdy.sharding<mesh, [{dims}...]>`` attribute's text."""
+    body = text[len("#sdy.sharding<"):].lstrip()
+    if body.startswith("mesh<"):
+        end = body.index("]>") + 2
+        sizes = {k: int(v) for k, v in _MESH_AXIS.findall(body[:end])}
+    elif body.startswith("@"):
+        end = body.index(",")
+        sizes = meshes.get(body[1:end].strip(), {})
+    else:
+        return None
+    rest = body[end:]
+    open_at = rest.index("[")
+    dims_text = rest[open_at + 1:rest.index("]", open_at)]
+    groups = re.findall(r"\{([^}]*)\}", dims_text)
+    if len(groups) != rank:
+        return None
+    pieces = []
+    for group in groups:
+        count = 1
+        for name, _, sub_size in _AXIS.findall(group):
+            count *= int(sub_size) if sub_size else sizes.get(name, 1)
+        pieces.append(count)
+    return tuple(pieces) if any(p > 1 for p in pieces) else None
+
+
+# -- manual axes (shard_map) ------------------------------------------------------------------------
+
+def _manual_mesh_context(mesh, manual_axes, check_vma: bool | None):
+    stack = contextlib.ExitStack()
+    all_manual = set(manual_axes) | set(getattr(mesh, "manual_axes", ()))
+    stack.enter_context(core.extend_axis_env_nd([(k, v) for k, v in mesh.shape.items() if k in all_manual]))
+    abstract = mesh.abstract_mesh if hasattr(mesh, "abstract_mesh") else mesh
+    stack.enter_context(mesh_lib.use_abstract_mesh(
+        abstract.update_axis_types({n: mesh_lib.AxisType.Manual for n in all_manual})))
+    if check_vma is not None:
+        stack.enter_context(jax_config._check_vma(check_vma))
+    return stack
+
+
+def body_context(eqn):
+    """The context in which a sub-jaxpr of ``eqn`` is re-traced: a ``shard_map`` body's manual axes
+    bound (names, manual mesh, varying-axes checking); nothing for other equations."""
+    if eqn.primitive.name != "shard_map":
+        return contextlib.nullcontext()
+    params = eqn.params
+    manual = params.get("newly_manual_axes", frozenset(params["mesh"].axis_names))
+    return _manual_mesh_context(params["mesh"], manual, params.get("check_vma"))
+
+
+def manual_context(ctx):
+    """For a lowering rule inside a ``shard_map`` body: the same context as :func:`body_context`,
+    from the lowering's axis context (re-tracing the program there needs the axis names)."""
+    axis_context = getattr(ctx.module_context, "axis_context", None)
+    manual = getattr(axis_context, "manual_axes", None)
+    mesh = getattr(axis_context, "mesh", None)
+    if not manual or mesh is None:
+        return contextlib.nullcontext()
+    return _manual_mesh_context(mesh, frozenset(manual), None)
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes along which a value varies (its type's ``{V:...}``)."""
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    found = getattr(mat, "varying", None)
+    return frozenset(found if found is not None else getattr(aval, "vma", ()))
+
+
+def distributed_type(aval) -> bool:
+    """Whether ``aval`` varies along manual axes or lives on a mesh with explicit axes."""
+    return bool(varying_axes(aval)) or _explicit(getattr(aval, "sharding", None))
+
+
+def conform(value, aval):
+    """``value`` cast to ``aval``'s varying manual axes (``pcast``) and explicit sharding (``reshard``)."""
+    vma = varying_axes(aval)
+    if vma:
+        have = varying_axes(core.typeof(value))
+        missing = tuple(sorted(a for a in vma if a not in have))
+        if missing:
+            value = jax.lax.pcast(value, missing, to="varying")
+    target = getattr(aval, "sharding", None)
+    current = getattr(core.typeof(value), "sharding", None)
+    if _explicit(target):
+        if getattr(current, "spec", None) != target.spec or getattr(current, "mesh", None) != target.mesh:
+            value = jax.sharding.reshard(value, target)
+    elif _explicit(current) and any(entry is not None for entry in current.spec):
+        value = jax.sharding.reshard(value, current.update(spec=jax.sharding.PartitionSpec()))
+    return value
+
+
+def _explicit(sharding) -> bool:
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or getattr(sharding, "spec", None) is None:
+        return False
+    return any(t == mesh_lib.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))

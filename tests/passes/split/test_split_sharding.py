@@ -1,0 +1,134 @@
+"""The split pass on sharded programs, traced on one device with an abstract 4-device mesh: an axis
+cut across devices is never split (explicit types, jit arguments' shardings, sharding constraints),
+loop carries keep explicit shardings and shard_map's varying manual axes (the rewritten program
+type-checks), and the module attributes the lowering reads. Numbers, gradients and per-device memory
+on real devices: tests/core/test_sharding.py."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src import core
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+
+from hlopass import settings, sharding
+from hlopass.passes.split import SplitPass, sharded_values
+
+N, M = 400, 301
+CONFIG = settings.resolve({"threshold": "400kB", "split_size": "200kB", "passes": "split"})
+
+
+def kmv(x, y, v):
+    return jnp.exp(-jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1)) @ v
+
+
+def mesh(kind=AxisType.Explicit):
+    return AbstractMesh((4,), ("x",), axis_types=(kind,))
+
+
+def traced(fn, specs, kind=AxisType.Explicit, shapes=((N, 3), (M, 3), (M,))):
+    m = mesh(kind)
+    with jax.sharding.use_abstract_mesh(m):
+        avals = [core.ShapedArray(s, jnp.float32, sharding=NamedSharding(m, p)) for s, p in zip(shapes, specs)]
+        return jax.make_jaxpr(fn)(*avals)
+
+
+def split_axes(report) -> list:
+    return [(r.details["axis"], r.details["size"]) for r in report.rewrites if r.kind == "split"]
+
+
+def run_split(closed):
+    new, report = SplitPass().run(closed, CONFIG)
+    core.check_jaxpr(new.jaxpr)
+    assert [str(a) for a in new.out_avals] == [str(a) for a in closed.out_avals]  # types, shardings included
+    return new, report
+
+
+def test_explicit_rows_sharded_splits_the_other_axis():
+    new, report = run_split(traced(kmv, [P("x"), P(), P()]))
+    assert split_axes(report) == [(1, M)]
+    assert str(new.out_avals[0]) == "float32[400@x]"
+
+
+def test_unsharded_program_splits_the_rows():
+    """The same program without shardings splits axis 0 (so the tests above can fail)."""
+    _, report = run_split(traced(kmv, [P(), P(), P()]))
+    assert split_axes(report) == [(0, N)]
+
+
+def test_both_axes_sharded_only_the_unsharded_axis_is_split():
+    two = AbstractMesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.sharding.use_abstract_mesh(two):
+        avals = [core.ShapedArray(s, jnp.float32, sharding=NamedSharding(two, p))
+                 for s, p in zip([(N, 3), (M + 3, 3)], [P("x"), P("y")])]
+        closed = jax.make_jaxpr(lambda x, y: jnp.exp(-jnp.sum((x[:, None] - y[None]) ** 2, -1)).sum(1))(*avals)
+    _, report = run_split(closed)
+    assert split_axes(report) and all(size == 3 for _, size in split_axes(report))  # the coordinates only
+
+
+def test_jit_argument_shardings_under_an_auto_mesh():
+    closed = jax.make_jaxpr(kmv)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    with sharding.inputs_sharded(((4, 1), None, None)):
+        _, report = run_split(closed)
+    assert split_axes(report) == [(1, M)]
+    _, report = run_split(closed)
+    assert split_axes(report) == [(0, N)]
+
+
+def test_with_sharding_constraint_marks_the_axis():
+    auto = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+
+    def program(x, y, v):
+        return kmv(jax.lax.with_sharding_constraint(x, NamedSharding(auto, P("x"))), y, v)
+    closed = jax.make_jaxpr(program)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    # a 1-device mesh cuts nothing: the rows may be split
+    assert not sharded_values(closed.jaxpr)
+    _, report = run_split(closed)
+    assert split_axes(report) == [(0, N)]
+
+
+def test_shardings_followed_through_the_program():
+    closed = traced(kmv, [P("x"), P(), P()], kind=AxisType.Explicit)
+    found = sharded_values(closed.jaxpr)
+    assert found[closed.jaxpr.outvars[0]] == (4,)
+    closed = jax.make_jaxpr(kmv)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    with sharding.inputs_sharded(((4, 1), None, None)):
+        found = sharded_values(closed.jaxpr)
+    reduced = [e.outvars[0] for e in closed.jaxpr.eqns if e.primitive.name == "reduce_sum"][0]
+    assert found[reduced] == (4, 1) and found[closed.jaxpr.outvars[0]] == (4,)
+
+
+COLLECTIVES = {
+    "psum": lambda local: local / jax.lax.psum(local.sum(), "x"),
+    "all_gather": lambda local: local * jax.lax.all_gather(local, "x").sum(0),
+    "ppermute": lambda local: local + jax.lax.ppermute(local, "x", [(k, (k + 1) % 4) for k in range(4)]),
+}
+
+
+@pytest.mark.parametrize("collective", sorted(COLLECTIVES))
+def test_shard_map_body_split_with_varying_carries(collective):
+    m = mesh(AxisType.Auto)
+
+    def program(x, y, v):
+        def body(a, b, c):
+            return COLLECTIVES[collective](kmv(a, b, c))
+        return jax.shard_map(body, mesh=m, in_specs=(P("x"), P(), P()), out_specs=P("x"))(x, y, v)
+    with jax.sharding.use_abstract_mesh(m):
+        closed = jax.make_jaxpr(program)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    new, report = run_split(closed)
+    assert split_axes(report) == [(0, N)]   # the body's own rows: each device's block
+    body = [e for e in new.jaxpr.eqns if e.primitive.name == "shard_map"][0].params["jaxpr"]
+    loops = [e for e in body.eqns if e.primitive.name in ("scan", "while")]
+    assert loops and all("{V:x}" in str(v.aval) for e in loops for v in e.outvars if v.aval.shape)
+    names = [e.primitive.name for e in body.eqns]
+    assert any(name.startswith(collective) for name in names), names  # left in place
+
+
+@pytest.mark.parametrize("text, meshes, rank, expected", [
+    ('#sdy.sharding<mesh<["x"=4]>, [{"x"}, {}]>', {}, 2, (4, 1)),
+    ('#sdy.sharding<@mesh, [{}, {"x", "y"}]>', {"mesh": {"x": 2, "y": 3}}, 2, (1, 6)),
+    ('#sdy.sharding<@mesh, [{"x":(1)2}, {}]>', {"mesh": {"x": 4}}, 2, (2, 1)),
+    ('#sdy.sharding<mesh<["x"=4]>, [{}, {}]>', {}, 2, None),
+    ('#sdy.sharding<mesh<["x"=4]>, [{"x"}]>', {}, 2, None),      # rank mismatch: unknown
+])
+def test_sdy_sharding_attributes(text, meshes, rank, expected):
+    assert sharding.parse_sdy_sharding(text, meshes, rank) == expected
