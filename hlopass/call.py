@@ -98,8 +98,9 @@ ad.primitive_jvps[hlopass_call_p] = _jvp
 
 
 def _linearize(is_vjp, nzs, *primals, jaxpr, config, name, notes):
-    jaxpr, hook_notes = before_linearize(jaxpr, config)
-    notes = (*notes, *hook_notes)
+    if is_vjp:  # the hooks may emit custom_vjp functions, which forward mode (jax.linearize) cannot run
+        jaxpr, hook_notes = before_linearize(jaxpr, config)
+        notes = (*notes, *hook_notes)
     jaxpr, primal_jaxpr, num_res_out, nzs_out, in_fwd_res, tangent_jaxpr = primal_tangent_split(
         jaxpr, nzs, is_vjp, config)
     tangent_avals_out = [a.to_tangent_aval() for a in jaxpr.out_avals]
