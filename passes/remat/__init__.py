@@ -44,18 +44,18 @@ import dataclasses
 from jax._src import core
 
 from hlopass.config import Config
+from hlopass.jaxpr_utils import dce
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 from hlopass.sizes import format_size
 
-from .chain import analyse, is_backward
+from .chain import analyse, keeps_residuals
 from .cost import rates
 from .emit import emit
 from .loop import ChainProblem, ScanProblem, closed_loop, footprint, upper_bound
 from .primal import rematerialize_primal
 from .report import describe_outcome
 from .scans import block_lengths, segments
-from .schedule import Solver
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class RematOptions:
     max_stages: int = 64
     #: Memory buckets of a flat chain's DP (the seed's 5 MB buckets cost ~1% extra compute); a
     #: scan's DP is small and uses 1024.
-    buckets: int = 256
+    buckets: int = 128
     #: Nesting of recomputation in flat chains (a scan gets one level: nested scans).
     depth: int = 3
     #: Stop once a fitting program is within this fraction below the limit.
@@ -84,21 +84,31 @@ class RematPass(Pass):
     provides = frozenset({"rematerialize"})
 
     def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+        limit = config.memory_limit
+        if limit is None or not keeps_residuals(closed) or upper_bound(closed) <= limit:
+            return closed, PassReport(self.name)
+        key = (structure(closed), config, self)
+        if key not in _done:
+            _done[key] = self._run(closed, config)
+            while len(_done) > 16:
+                _done.pop(next(iter(_done)))
+        new, report = _done[key]
+        copy = PassReport(report.name, list(report.rewrites), list(report.skipped), report.seconds)
+        return (closed if new is None else new), copy
+
+    def _run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr | None, PassReport]:
+        """:meth:`run` past the cheap checks; ``None`` for "unchanged"."""
         report = PassReport(self.name)
         limit = config.memory_limit
-        if limit is None or not any(is_backward(e) for e in closed.jaxpr.eqns):
-            return closed, report
-        if upper_bound(closed) <= limit:
-            return closed, report
         footprint0 = footprint(closed)
         if footprint0 <= limit:
-            return closed, report
+            return None, report
         machine = rates()
         analysis = analyse(closed, machine, max_stages=self.options.max_stages)
         problems, names = [], []
         if analysis is not None and analysis.flat is not None:
-            problems.append(ChainProblem("flat", Solver(analysis.flat.chain, 2 * analysis.flat.store_all_bytes(),
-                                                        buckets=self.options.buckets, depth=self.options.depth)))
+            problems.append(ChainProblem("flat", analysis.flat.chain, buckets=self.options.buckets,
+                                         depth=self.options.depth))
             names.append(("flat", None))
         for pair in (analysis.pairs if analysis is not None else []):
             n = pair.length(closed.jaxpr)
@@ -109,7 +119,7 @@ class RematPass(Pass):
         if not problems or not sum(p.store_all for p in problems):
             report.skip("<memory limit>", "remat", f"XLA footprint {format_size(footprint0)} is over the limit "
                         f"{format_size(limit)} but the backward pass keeps no forward values to recompute")
-            return closed, report
+            return None, report
 
         def emit_plan(plan):
             flat_items, scan_plans = None, {}
@@ -124,10 +134,32 @@ class RematPass(Pass):
                               max_rounds=self.options.max_rounds, slack=self.options.slack)
         describe_outcome(report, outcome, names, analysis, footprint0, limit, machine)
         if outcome.chosen is None or (not outcome.fits and outcome.chosen.footprint >= footprint0):
-            return closed, report
+            return None, report
         return outcome.chosen.jaxpr, report
 
     def before_linearize(self, closed: core.ClosedJaxpr, config: Config, notes: list[Note]) -> core.ClosedJaxpr:
         """For ``jax.grad`` of a hlopass function: choose what the forward call keeps before JAX
         linearises it (see :mod:`.primal`)."""
-        return rematerialize_primal(closed, config, notes, self.options)
+        if config.memory_limit is None:
+            return closed
+        key = (structure(closed), config, self)
+        if key not in _done:
+            found: list[Note] = []
+            new = rematerialize_primal(closed, config, found, self.options)
+            _done[key] = (None if new is closed else new, tuple(found))
+            while len(_done) > 16:
+                _done.pop(next(iter(_done)))
+        new, found = _done[key]
+        notes.extend(found)
+        return closed if new is None else new
+
+
+#: Recent results by program structure (JAX traces the same program again for each eager
+#: ``jax.grad`` call and for ``trace``, ``lower`` and calls): the closed loop compiles, so it runs
+#: once per program, settings and pass options.
+_done: dict = {}
+
+
+def structure(closed: core.ClosedJaxpr) -> tuple:
+    """A key equal for jaxprs that print the same, dead code aside, and share their constants."""
+    return str(dce(closed).jaxpr), tuple(id(c) for c in closed.consts)

@@ -48,6 +48,17 @@ def is_backward(eqn) -> bool:
     return BACKWARD_MARK in str(eqn.source_info.name_stack)
 
 
+def keeps_residuals(closed) -> bool:
+    """Whether some backward equation reads a value an equation outside the backward pass defines."""
+    eqns = closed.jaxpr.eqns
+    backward = [is_backward(e) for e in eqns]
+    if not any(backward):
+        return False
+    forward_values = {v for e, b in zip(eqns, backward) if not b for v in e.outvars}
+    return any(isinstance(a, core.Var) and a in forward_values for e, b in zip(eqns, backward) if b
+               for a in e.invars)
+
+
 def _vars(atoms) -> list:
     return [a for a in atoms if isinstance(a, core.Var)]
 

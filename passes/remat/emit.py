@@ -128,9 +128,11 @@ def emit(analysis: Analysis, flat_items: Sequence | None, scan_plans: dict[int, 
     closed = analysis.closed
     jaxpr = closed.jaxpr
     plans: dict[int, PairPlan] = {}
+    used = {a for e in jaxpr.eqns for a in e.invars if isinstance(a, core.Var)}
+    used.update(v for v in jaxpr.outvars if isinstance(v, core.Var))
     for pair in analysis.pairs:
         if pair.forward in scan_plans:
-            plan = PairPlan(pair.residual_ys, pair.backward_xs, scan_plans[pair.forward])
+            plan = PairPlan(pair.residual_ys, pair.backward_xs, scan_plans[pair.forward], used)
             plans[pair.forward] = plans[pair.backward] = plan
     backward_of = {pair.backward: pair.forward for pair in analysis.pairs if pair.forward in plans}
 

@@ -40,22 +40,29 @@ class Choice:
 
 
 class ChainProblem:
-    """A flat chain: one :class:`.schedule.Solver`."""
+    """A flat chain: one :class:`.schedule.Solver` (tables up to what it keeps unrecomputed)."""
 
-    def __init__(self, name: str, solver: Solver):
+    def __init__(self, name: str, chain: Chain, *, buckets: int = 128, depth: int = 3):
         self.name = name
-        self.solver = solver
-        chain = solver.chain
         self.store_all = simulate(chain, [Stored(l) for l in range(chain.n)])[1]
+        self.solver = Solver(chain, max(self.store_all, 1), buckets=buckets, depth=depth)
 
     def least(self) -> int:
         """The smallest budget any schedule meets (bytes)."""
         found = self.solver.min_budget()
-        return self.store_all if found is None else found
+        return self.store_all if found is None else min(found, self.store_all)
 
     def solve(self, budget: int) -> Choice | None:
         sol = self.solver.solve(budget)
-        return None if sol is None else Choice(sol.items, sol.peak, sol.extra_compute)
+        if sol is None:
+            return _store_all(self.solver.chain, 1) if budget >= self.store_all else None
+        return Choice(sol.items, sol.peak, sol.extra_compute)
+
+
+def _store_all(chain: Chain, group: int) -> Choice:
+    """Nothing recomputed (the DP's buckets round sizes up, so they may miss this budget exactly)."""
+    items = tuple(Stored(l) for l in range(chain.n))
+    return Choice(items, simulate(chain, items)[1], 0.0, group)
 
 
 class ScanProblem:
@@ -68,6 +75,7 @@ class ScanProblem:
                  buckets: int = 1024, keep_steps: bool = True):
         self.name = name
         self.n = n
+        self.keep_steps = keep_steps
         self.solvers: dict[int, Solver] = {}
         self.store_all = 0
         for k in lengths:
@@ -81,9 +89,11 @@ class ScanProblem:
     def least(self) -> int:
         found = [s.min_budget() for s in self.solvers.values()]
         found = [f for f in found if f is not None]
-        return min(found) if found else self.store_all
+        return min(found + [self.store_all])
 
     def solve(self, budget: int) -> Choice | None:
+        if budget >= self.store_all and self.keep_steps:
+            return _store_all(self.solvers[min(self.solvers)].chain, min(self.solvers))
         best = None
         for k, solver in self.solvers.items():
             sol = solver.solve(budget)
@@ -166,7 +176,9 @@ def closed_loop(problems: Sequence[Problem], emit: Callable[[Plan], core.ClosedJ
     lam = min(1.0, max(lam_min, (limit - base) / kept if kept else 0.0))
     tried_least = False
     slope = float(max(kept, 1))
-    for _ in range(max_rounds + 1):
+    for _ in range(4 * max_rounds):                 # repeated plans (budget buckets) cost no compile
+        if len(attempts) >= max_rounds:
+            break
         plan = plan_for(problems, lam)
         if plan is None:
             break
@@ -180,10 +192,9 @@ def closed_loop(problems: Sequence[Problem], emit: Callable[[Plan], core.ClosedJ
             seen[plan.key] = attempt
             attempts.append(attempt)
         points.append((lam, attempt.footprint))
-        fitting = [a for a in attempts if a.footprint <= limit]
         slope = _slope(points, kept)
         if attempt.footprint <= limit:
-            if limit - attempt.footprint <= slack * limit or lam >= 1.0 or len(attempts) >= max_rounds:
+            if limit - attempt.footprint <= slack * limit or lam >= 1.0:
                 break
             above = [l for l, f in points if f > limit and l > lam]
             step = min(1.0, lam + (limit - attempt.footprint) / slope)
@@ -192,16 +203,14 @@ def closed_loop(problems: Sequence[Problem], emit: Callable[[Plan], core.ClosedJ
                 break
             lam = nxt
             continue
-        if fitting and len(attempts) >= max_rounds:
-            break
-        below = [l for l, f in points if f <= limit]
         if lam <= lam_min:
-            break
+            break                                    # the schedules that keep least are over too
+        below = [l for l, f in points if f <= limit and l < lam]
         nxt = lam - (attempt.footprint - limit) / slope
         if below:
             nxt = max(nxt, (lam + max(below)) / 2)
-        if len(attempts) >= max_rounds - 1 and not tried_least:
-            nxt = lam_min
+        if len(attempts) >= max_rounds - 1 and not tried_least and not below:
+            nxt = lam_min                            # the last compile goes to the least-keeping plan
         lam = max(lam_min, min(nxt, lam * 0.98))
     fitting = [a for a in attempts if a.footprint <= limit]
     if fitting:

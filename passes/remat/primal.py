@@ -43,7 +43,7 @@ from .gate import remat_block
 from .loop import ChainProblem, ScanProblem, closed_loop, footprint, upper_bound
 from .report import describe_outcome
 from .scans import block_lengths, checkpointed_scan, segments
-from .schedule import Chain, Solver, Stored
+from .schedule import Chain, Stored
 
 
 def _inexact(aval) -> bool:
@@ -338,8 +338,7 @@ def rematerialize_primal(closed: core.ClosedJaxpr, config, notes: list[Note], op
     base = inline_calls(closed)
     flat, scans = _primal_problems(base, machine, options)
     chain = flat.chain
-    problems, names = [ChainProblem("flat", Solver(chain, 2 * sum(chain.residual) + max(chain.cut),
-                                                   buckets=options.buckets, depth=options.depth))], [("flat", None)]
+    problems, names = [ChainProblem("flat", chain, buckets=options.buckets, depth=options.depth)], [("flat", None)]
     for q, chain_of in scans:
         n = base.jaxpr.eqns[q].params["length"]
         # blocks only, of a length dividing the scan: one outer scan over the unsliced xs (a kept

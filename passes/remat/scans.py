@@ -143,10 +143,11 @@ class PairPlan:
     """The rewrite of one forward/transposed scan pair (see the module docstring)."""
 
     def __init__(self, residual_ys: Sequence[int], backward_xs: dict[int, Sequence[int]],
-                 plan: list[Segment]):
+                 plan: list[Segment], used: set | None = None):
         self.residual_ys = tuple(residual_ys)
         self.backward_xs = {pos: y for y, poss in backward_xs.items() for pos in poss}
         self.plan = plan
+        self.used = used              # the program's values that something reads (None: all)
         self.kept: dict[Segment, object] = {}
         self.forward_inputs = None
 
@@ -166,7 +167,7 @@ class PairPlan:
         consts, carry, xs = invals[:ncon], list(invals[ncon:ncon + ncar]), invals[ncon + ncar:]
         self.forward_inputs = (p, consts, xs)
         nys = len(eqn.outvars) - ncar
-        others = [y for y in range(nys) if y not in self.residual_ys]
+        others = [y for y in range(nys) if y not in self.residual_ys and self._read(eqn.outvars[ncar + y])]
         ys_avals = p["jaxpr"].out_avals[ncar:]
         outputs = _Outputs([ys_avals[y] for y in others], n, len(self.plan))
         for seg in self.plan:
@@ -211,13 +212,15 @@ class PairPlan:
         consts, carry, xs = invals[:ncon], list(invals[ncon:ncon + ncar]), invals[ncon + ncar:]
         body = core.jaxpr_as_fun(p["jaxpr"])
         fp, fconsts, fxs = self.forward_inputs
-        outputs = _Outputs(p["jaxpr"].out_avals[ncar:], n, len(self.plan))
+        nys = len(eqn.outvars) - ncar
+        wanted = [y for y in range(nys) if self._read(eqn.outvars[ncar + y])]
+        outputs = _Outputs([p["jaxpr"].out_avals[ncar + y] for y in wanted], n, len(self.plan))
 
         def bstep(c, t, stacks, offset):
             x = [_index(stacks[self.backward_xs[q]], t - offset) if q in self.backward_xs else _index(xq, t)
                  for q, xq in enumerate(xs)]
             out = body(*consts, *c, *x)
-            return list(out[:ncar]), list(out[ncar:])
+            return list(out[:ncar]), [out[ncar + y] for y in wanted]
 
         for seg in reversed(self.plan):
             t0, t1 = seg.indices(n, not rev)
@@ -241,7 +244,11 @@ class PairPlan:
             state, ys = lax.scan(outer, outputs.init(carry), (jnp.arange(count, dtype=jnp.int32), self.kept[seg]),
                                  reverse=rev)
             carry = outputs.finish(state, ys, t0, merge=lambda y, count=count, k=k: _merge(y, count, k))
-        return list(carry) + outputs.result()
+        ys = dict(zip(wanted, outputs.result()))
+        return list(carry) + [ys.get(y) for y in range(nys)]
+
+    def _read(self, var) -> bool:
+        return self.used is None or var in self.used
 
 
 def checkpointed_scan(eqn, invals, plan: list[Segment]) -> list:

@@ -3,8 +3,8 @@
 The chain: stages ``0 .. N-1``; stage ``l`` runs from boundary ``l`` to
 boundary ``l + 1``. Its forward pass costs ``time[l]`` (seconds), leaves
 ``residual[l]`` bytes for its backward pass when it is *stored*, and
-``extra[l]`` bytes more when the value at its end boundary must be kept for
-a later recomputation (the part of that boundary's values that is not a
+``extra[l]`` bytes more when a recomputed block follows it, whose entry is
+the value at its end boundary (the part of that value that is not a
 residual). ``cut[b]`` is the bytes of the values a recomputation must start
 from at boundary ``b``. The value at boundary 0 is held by the caller.
 
@@ -28,7 +28,9 @@ second table tracks the peak the chosen schedule really needs,
     C(i, j, m) = min( time[i] + C(i+1, j, m - r_i)                       store stage i
                       min_k T(i, k) + C(k, j, m - cut[k]) + C'(i, k, m) )  block (i, k]
 
-with ``r_i = residual[i] (+ extra[i] unless j = i + 1)``, ``T`` the summed
+with ``r_i = residual[i]``, plus ``extra[i]`` when ``C(i+1, j, ...)`` starts
+with a block (two tables: schedules starting with a stored stage and with a
+block), ``T`` the summed
 forward times and ``C'`` one nesting level shallower (``depth`` bounds the
 nesting: 1 is a single level of recomputation, as a checkpointed scan emits).
 Memory is counted in buckets (sizes rounded up, the budget down), so a
@@ -135,7 +137,8 @@ def simulate(chain: Chain, items: Sequence, start: int = 0) -> tuple[float, int]
         head, rest = items[0], items[1:]
         if isinstance(head, Stored):
             compute += chain.time[head.stage]
-            keep = chain.residual[head.stage] + (chain.extra[head.stage] if rest else 0)
+            before_block = bool(rest) and isinstance(rest[0], Block)
+            keep = chain.residual[head.stage] + (chain.extra[head.stage] if before_block else 0)
             alloc(keep)
             run(rest, head.stage + 1)
             live -= keep                                   # its backward pass frees them
@@ -199,60 +202,68 @@ class Solver:
         prefix = np.concatenate([[0.0], np.cumsum(times)])
         bad = np.concatenate([[0], np.cumsum([0 if ch.can_recompute(l) else 1 for l in range(n)])])
         levels = self.depth + 1
-        cost = np.full((levels, n + 1, n + 1, q1), INF)
-        peak = np.zeros((levels, n + 1, n + 1, q1), dtype=np.int32)
-        choice = np.full((levels, n + 1, n + 1, q1), -1, dtype=np.int32)  # -1 store, k block (i, k]
+        shape = (levels, n + 1, n + 1, q1)
+        # [d, i, j, m]: the least compute of (i, j] within m whose first item is Stored(i) ("s") or a
+        # block (i, k] ("b", k in block_end); cost: the smaller of the two. Peaks need no table:
+        # a budget row is infinite where nothing fits, and simulate() replays the schedule found.
+        cost_s = np.full(shape, INF, dtype=np.float32)
+        cost_b = np.full(shape, INF, dtype=np.float32)
+        block_end = np.full(shape, -1, dtype=np.int16 if n < 2 ** 15 else np.int32)
+        cost = np.full(shape, INF, dtype=np.float32)
         # the same rows shifted by the cut a block keeps at their start, indexed [d, j, k]: the
         # cost of the continuation (k, j] when the block before it keeps cut[k] out of m
-        shifted = np.full((levels, n + 1, n + 1, q1), INF)
-        shifted_peak = np.zeros((levels, n + 1, n + 1, q1), dtype=np.int32)
+        shifted = np.full(shape, INF, dtype=np.float32)
 
-        def finish(d, i, j):
-            w = int(cut[i])
-            if w < q1:
-                shifted[d, j, i, w:] = cost[d, i, j, :q1 - w]
-                shifted_peak[d, j, i, w:] = w + peak[d, i, j, :q1 - w]
+        def shifted_rows(rows, w):
+            """``rows[a, m - w[a]]`` (``INF`` where ``m < w[a]``): rows [A, q1], w [A]."""
+            idx = np.arange(q1)[None, :] - w[:, None]
+            out = np.take_along_axis(rows, np.maximum(idx, 0), axis=1)
+            return np.where(idx >= 0, out, INF)
+
+        def better(a, b):
+            return a < b * (1 - 1e-6) - 1e-12
 
         for i in range(n + 1):
             cost[:, i, i, :] = 0.0
-        cols = np.arange(q1)
+            cost_s[:, i, i, :] = 0.0
         for length in range(1, n + 1):
-            for i in range(0, n - length + 1):
-                j = i + length
-                w = int(res[i] if j == i + 1 else keep[i])
-                for d in range(levels):
-                    best = np.full(q1, INF)
-                    best_peak = np.zeros(q1, dtype=np.int32)
-                    best_choice = np.full(q1, -1, dtype=np.int32)
-                    if w < q1 and (self.top_store or d < self.depth or self.depth == 0):
-                        best[w:] = times[i] + cost[d, i + 1, j, :q1 - w]
-                        best_peak[w:] = w + peak[d, i + 1, j, :q1 - w]
-                    if d > 0:
-                        kend = j if self.max_block is None else min(j, i + 1 + self.max_block)
-                        candidates = []
-                        if kend > i + 1:      # blocks (i, k] followed by (k, j]
-                            ks = slice(i + 1, kend)
-                            total = (prefix[ks] - prefix[i])[:, None] + shifted[d, j, ks] + cost[d - 1, i, ks]
-                            if bad[kend - 1] != bad[i]:
-                                total[bad[ks] != bad[i]] = INF     # a block must be recomputable
-                            arg = np.argmin(total, axis=0)
-                            split_peak = np.maximum(shifted_peak[d, j, ks][arg, cols], peak[d - 1, i, ks][arg, cols])
-                            candidates.append((total[arg, cols], split_peak, arg + i + 1))
-                        last = not self.top_store and d == self.depth
-                        if last and bad[j] == bad[i] and (self.max_block is None or length <= self.max_block):
-                            # a block (i, j] that ends the chain keeps no cut
-                            candidates.append((prefix[j] - prefix[i] + cost[d - 1, i, j], peak[d - 1, i, j],
-                                               np.full(q1, j, dtype=np.int64)))
-                        for split, split_peak, ks_arg in candidates:
-                            better = split < best * (1 - 1e-9) - 1e-15
-                            best = np.where(better, split, best)
-                            best_peak = np.where(better, split_peak, best_peak)
-                            best_choice = np.where(better, ks_arg, best_choice)
-                    cost[d, i, j] = best
-                    peak[d, i, j] = best_peak
-                    choice[d, i, j] = best_choice
-                    finish(d, i, j)
-        self._cost, self._peak, self._choice = cost, peak, choice
+            I = np.arange(0, n - length + 1)
+            J = I + length
+            for d in range(levels):
+                if self.top_store or d < self.depth or self.depth == 0:
+                    if length == 1:
+                        cs = shifted_rows(np.broadcast_to(times[I][:, None], (I.size, q1)), res[I])
+                    else:
+                        # the stage's end value is kept beyond its residuals only for a block after it
+                        after_s = times[I][:, None] + shifted_rows(cost_s[d, I + 1, J], res[I])
+                        after_b = times[I][:, None] + shifted_rows(cost_b[d, I + 1, J], keep[I])
+                        cs = np.minimum(after_s, after_b)
+                    cost_s[d, I, J] = cs
+                if d > 0:
+                    best = np.full((I.size, q1), INF, dtype=np.float32)
+                    best_k = np.full((I.size, q1), -1, dtype=block_end.dtype)
+                    widest = length - 1 if self.max_block is None else min(length - 1, self.max_block)
+                    if widest >= 1:   # blocks (i, i + r] followed by (i + r, j]
+                        K = I[:, None] + np.arange(1, widest + 1)[None, :]             # [A, R]
+                        total = ((prefix[K] - prefix[I][:, None])[:, :, None].astype(np.float32)
+                                 + shifted[d, J[:, None], K] + cost[d - 1, I[:, None], K])
+                        total[bad[K] != bad[I][:, None]] = INF                        # a block must be recomputable
+                        arg = np.argmin(total, axis=1)                                # [A, q1]
+                        best = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
+                        best_k = np.take_along_axis(K, arg, axis=1).astype(block_end.dtype)
+                    if not self.top_store and d == self.depth and (self.max_block is None or length <= self.max_block):
+                        # a block (i, j] that ends the chain keeps no cut
+                        whole = (prefix[J] - prefix[I])[:, None].astype(np.float32) + cost[d - 1, I, J]
+                        whole[bad[J] != bad[I]] = INF
+                        take = better(whole, best)
+                        best = np.where(take, whole, best)
+                        best_k = np.where(take, J[:, None], best_k).astype(block_end.dtype)
+                    cost_b[d, I, J], block_end[d, I, J] = best, best_k
+                cost[d, I, J] = np.where(better(cost_b[d, I, J], cost_s[d, I, J]), cost_b[d, I, J], cost_s[d, I, J])
+                shifted[d, J, I] = shifted_rows(cost[d, I, J], cut[I])
+        self._cost = cost
+        self._cost_s, self._cost_b, self._block_end = cost_s, cost_b, block_end
+        self._res, self._keep = res, keep
 
     def min_budget(self) -> int | None:
         """The smallest budget (bytes, a bucket multiple) for which some schedule exists, or ``None``."""
@@ -271,19 +282,24 @@ class Solver:
         return Solution(items=items, compute=compute, extra_compute=compute - sum(self.chain.time),
                         peak=peak, budget=int(budget))
 
-    def _items(self, d: int, i: int, j: int, m: int) -> list:
+    def _items(self, d: int, i: int, j: int, m: int, first: str | None = None) -> list:
         out: list = []
         while i < j:
-            k = int(self._choice[d, i, j, m])
-            if k < 0:
-                res = self.chain.residual[i] + (self.chain.extra[i] if j > i + 1 else 0)
+            if first is None:
+                first = "b" if self._cost_b[d, i, j, m] < self._cost_s[d, i, j, m] * (1 - 1e-6) - 1e-12 else "s"
+            if first == "s":
                 out.append(Stored(i))
-                m -= self._up(res)
+                if i + 1 < j:
+                    after_s = self._cost_s[d, i + 1, j, m - self._res[i]] if m >= self._res[i] else INF
+                    after_b = self._cost_b[d, i + 1, j, m - self._keep[i]] if m >= self._keep[i] else INF
+                    first = "b" if after_b < after_s else "s"
+                    m -= int(self._keep[i] if first == "b" else self._res[i])
                 i += 1
-            else:
-                out.append(Block(i, k, tuple(self._items(d - 1, i, k, m))))
-                m -= self._up(self.chain.cut[k]) if k < j else 0
-                i = k
+                continue
+            k = int(self._block_end[d, i, j, m])
+            out.append(Block(i, k, tuple(self._items(d - 1, i, k, m))))
+            m -= self._up(self.chain.cut[k]) if k < j else 0
+            i, first = k, None
         return out
 
 
