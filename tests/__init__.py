@@ -1,4 +1,5 @@
-"""hlopass's test suite: core/ (the engine), passes/<name>/ (one folder per pass), inspection/, tools/."""
+"""hlopass's test suite: core/ (the engine), passes/<name>/ (one folder per pass), inspection/, tools/, fuzz/ (the
+differential fuzzer, JAX's own tests through hlopass, regression tests for what they found)."""
 
 import os
 

@@ -19,10 +19,30 @@ Emits: one ``jnp.einsum`` per monomial. What that covers:
   runs) skip the full product;
 * the derivatives of the above (``Σ_m g·(x − y)``, kind ``expanded_product``).
 
+When: an *exact* rewrite (the same products summed in another order: a
+contraction, ``diag``/``trace``/``sum`` of a product) fires whatever the
+threshold, as soon as it removes a value larger than everything it reads
+and writes or skips part of a product. An *inexact* one (it multiplies a sum
+out and cancels: the squared distance, its gradients) fires only for a
+removed value above the size threshold (``config.threshold``; ``None`` means
+always), and only under the rules of :mod:`.guards`: never where the value
+feeds a comparison, a square root, a division or a logarithm (anything
+sensitive to exact zeros); centred; an exact zero on a self-distance's
+diagonal; Inf/NaN as plain JAX gives them.
+
+Calls (``pjit``, ``custom_jvp``/``custom_vjp``, ``checkpoint``) are inlined
+first, at every level, so that values inside them and their readers are
+seen as if written inline (the passes run after differentiation, so a custom
+rule's body is the primal computation); the program comes back unchanged, the
+same object, when nothing is rewritten.
+
 Leaves alone: where the maths differs (``abs``, ``max``, a cube, another
-reduction, a difference of full-size tensors), where the removed value is
-below the size threshold (``config.threshold``; ``None`` means always), or
-where the removed value stays alive because something else reads it.
+reduction, a difference of full-size tensors), a ``where`` on data (it guards
+what it drops), a product with an identity mask (``jnp.eye(n) * M``: plain
+JAX keeps 0·Inf = NaN off the diagonal), an inexact rewrite below the
+threshold or against the rules above, and a removed value that stays alive
+because something else reads it. A root whose analysis or emission fails is
+reported with its source line; the others are still rewritten.
 """
 
 from __future__ import annotations
@@ -32,12 +52,14 @@ import dataclasses
 import numpy as np
 from jax._src import core
 
-from hlopass.interpreter import Replacement, rewrite
-from hlopass.jaxpr_utils import aval_nbytes, aval_str
+from hlopass.families import INLINABLE
+from hlopass.interpreter import Replacement, at_source_of, bind_equation, evaluate, rewrite, rewrite_nested
+from hlopass.jaxpr_utils import aval_nbytes, aval_str, call_body, iter_eqns, map_subjaxprs, trace_flat
 from hlopass.pass_base import Pass
-from hlopass.report import source_line
+from hlopass.report import PassReport, source_line
 from hlopass.sizes import format_size
 
+from . import guards
 from .expansion import (EXPANSION_RULES, Expander, Expansion, ExpansionLimits, Internal, NoMatch, Scope,
                         check_emittable, emit)
 
@@ -57,13 +79,24 @@ class Candidate:
     output_labels: tuple
     removed: Internal
     kind: str
+    #: the expansion as written (differences kept whole), which :mod:`.guards` reads
+    written: Expansion | None = None
+    #: how an inexact expansion is emitted (``None`` for an exact one)
+    plan: guards.Plan | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.expansion.exact
 
     @property
     def clamp(self) -> bool:
-        return self.kind == "squared_distance"
+        return self.kind == "squared_distance" if self.plan is None else self.plan.sign != 0
 
     def build(self, *values):
         out = self.eqn.outvars[0].aval
+        if self.plan is not None:
+            return [guards.emit_planned(self.plan, self.expansion, list(values), self.output_labels,
+                                        self.expander.label_sizes, tuple(out.shape), out.dtype)]
         return [emit(self.expansion, list(values), self.output_labels, self.expander.label_sizes,
                      tuple(out.shape), out.dtype, clamp_at_zero=self.clamp)]
 
@@ -103,22 +136,25 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
     expander = Expander(jaxpr, scope, limits)
     labels = expander.fresh_labels(out.aval.shape)
     try:
-        expansion = EXPANSION_RULES[eqn.primitive.name](expander, eqn, expander.top, 0, labels)
+        written = EXPANSION_RULES[eqn.primitive.name](expander, eqn, expander.top, 0, labels)
+        expansion = expander.substitute(written)
         check_emittable(expansion, labels)
     except NoMatch as reason:
         if _is_large(eqn, threshold):
-            report.skip(eqn, eqn.primitive.name, str(reason))
+            report.skip(_location(jaxpr, index, expander), eqn.primitive.name, str(reason))
         return None
     worth_telling = _is_large(eqn, threshold) and (expander.notes or _reads_computed_operand_sized(expander, eqn))
     kept = max([aval_nbytes(out.aval)] + [aval_nbytes(v.aval) for v in expander.sources])
     internal = list(expander.internal.values())
     if not internal:
         if worth_telling:
-            report.skip(eqn, eqn.primitive.name, _why_not(expander))
+            report.skip(_location(jaxpr, index, expander), eqn.primitive.name, _why_not(expander))
         return None
     removed = max(internal, key=lambda i: i.nbytes)
-    if threshold is not None and removed.nbytes <= threshold:
-        return None
+    if not expansion.exact and threshold is not None and removed.nbytes <= threshold:
+        return None  # inexact rewrites only where memory asks for them
+    if expansion.exact and not any(len(m.factors) > 1 or m.deltas for m in expansion.monomials):
+        return None  # a sum of one tensor, relabelled: nothing a rewrite could skip
     kind = classify(expansion, internal, labels)
     partly_used_product = kind in ("trace_of_product", "diagonal_of_product", "sum_of_product") and any(
         i.primitive == "dot_general" and i.nbytes >= kept for i in internal)
@@ -126,13 +162,35 @@ def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
         if worth_telling:
             reason = _why_not(expander) if expander.notes else (
                 f"the expansion would read tensors as large as the {aval_str(removed.var.aval)} it removes")
-            report.skip(eqn, eqn.primitive.name, reason)
+            report.skip(_location(jaxpr, index, expander), eqn.primitive.name, reason)
         return None
     if kind == "sum_of_product" and products_reordered_by:
-        report.skip(eqn, eqn.primitive.name, f"a sum of a matrix product: left to the {products_reordered_by} "
-                    "pass, which reorders products")
+        if threshold is None or removed.nbytes > threshold:
+            report.skip(_location(jaxpr, index, expander), eqn.primitive.name,
+                        f"a sum of a matrix product: left to the {products_reordered_by} pass, which reorders products")
         return None
-    return Candidate(index, eqn, expander, expansion, labels, removed, kind)
+    candidate = Candidate(index, eqn, expander, expansion, labels, removed, kind, written)
+    if expansion.exact:
+        return candidate
+    what = kind.replace("_", " ")
+    if np.dtype(out.aval.dtype).itemsize < 4:
+        report.skip(_location(jaxpr, index, expander), eqn.primitive.name,
+                    f"the {what} in {np.dtype(out.aval.dtype).name}: expanded, it would cancel and overflow")
+        return None
+    sensitive = guards.zero_sensitive_use(jaxpr, out)
+    if sensitive is not None:
+        use, description = sensitive
+        report.skip(_location(jaxpr, index, expander), eqn.primitive.name,
+                    f"the {what} feeds {description} ({_named(use)}): its expanded "
+                    "form is not exactly zero for equal points, so that use is sensitive to it")
+        return None
+    plan = guards.plan(written, expansion, expander, labels, squared=expansion.depth == 2)
+    if isinstance(plan, str):
+        report.skip(_location(jaxpr, index, expander), eqn.primitive.name,
+                    f"the {what} cannot keep plain JAX's Inf/NaN semantics: {plan}")
+        return None
+    candidate.plan = plan
+    return candidate
 
 
 def _is_large(eqn, threshold) -> bool:
@@ -191,50 +249,156 @@ class AlgebraicPass(Pass):
     """Match-and-replace: expand sums of broadcast products into einsums over the small tensors.
 
     Matches ``reduce_sum``/``dot_general`` equations (see the module docstring
-    for the covered forms); emits ``jnp.einsum`` s (``dot_general`` s) over the
-    original small inputs, with the squared distance clamped at zero.
+    for the covered forms and when each fires); emits ``jnp.einsum`` s
+    (``dot_general`` s) over the original small inputs.
     """
 
     name = "algebraic"
     Options = ExpansionLimits
 
+    def run(self, closed: core.ClosedJaxpr, config) -> tuple[core.ClosedJaxpr, PassReport]:
+        """Inline calls everywhere, rewrite every level; ``closed`` itself when nothing is rewritten."""
+        report = PassReport(self.name)
+        try:
+            flat = inline_calls_everywhere(closed)
+        except Exception as err:  # noqa: BLE001 - then the calls stay closed to the matcher
+            report.skip("<unknown>", "pjit", f"could not inline calls ({type(err).__name__}: {err})")
+            flat = closed
+        new = rewrite_nested(flat, lambda level: self.run_level(level, config, report))
+        return (new if report.rewrites else closed), report
+
     def run_level(self, closed: core.ClosedJaxpr, config, report) -> core.ClosedJaxpr:
         jaxpr = closed.jaxpr
         scope = Scope(jaxpr)
         later = self.later_provides(REORDERS_PRODUCTS)
-        found = [find_candidate(jaxpr, i, config.threshold, report, later, scope, self.options)
-                 for i, eqn in enumerate(jaxpr.eqns)
-                 if eqn.primitive.name in ROOT_PRIMITIVES and _touches_large(eqn, config.threshold)]
-        candidates = keep_effective(jaxpr, [c for c in found if c is not None], report)
+        found = []
+        for i, eqn in enumerate(jaxpr.eqns):
+            if eqn.primitive.name not in ROOT_PRIMITIVES or not (
+                    _touches_large(eqn, config.threshold) or _may_save_exactly(eqn, scope)):
+                continue
+            try:
+                candidate = find_candidate(jaxpr, i, config.threshold, report, later, scope, self.options)
+            except Exception as err:  # noqa: BLE001 - never lose the level's other rewrites for one
+                report.skip(eqn, eqn.primitive.name,
+                            f"could not be analysed ({type(err).__name__}: {err}); left as written")
+                continue
+            if candidate is not None:
+                found.append(candidate)
+        candidates = keep_effective(jaxpr, found, report)
         if not candidates:
             return closed
+        try:
+            new = rewrite(closed, [_replacement(c) for c in candidates], name="algebraic")
+        except Exception:  # noqa: BLE001 - find the roots whose emission fails; rewrite the others
+            errors = {c.index: _emission_error(c) for c in candidates}
+            failing = [c for c in candidates if errors[c.index] is not None]
+            for c in failing:
+                report.skip(_location(jaxpr, c.index, c.expander), c.eqn.primitive.name,
+                            f"could not be rewritten ({errors[c.index]}); left as written")
+            candidates = keep_effective(jaxpr, [c for c in found if c not in failing], report)
+            if not candidates:
+                return closed
+            new = rewrite(closed, [_replacement(c) for c in candidates], name="algebraic")
         for c in candidates:
-            report.rewrite(c.kind, _location(jaxpr, c), _summary(c), removed_type=aval_str(c.removed.var.aval),
+            report.rewrite(c.kind, _location(jaxpr, c.index, c.expander), _summary(c),
+                           removed_type=aval_str(c.removed.var.aval),
                            removed_bytes=c.removed.nbytes, terms=len(c.expansion.monomials),
-                           clamped=c.clamp)
-        replacements = [Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
-                        for c in candidates]
-        return rewrite(closed, replacements, name="algebraic")
+                           clamped=c.clamp, exact=c.exact, centred=bool(c.plan and c.plan.shifts),
+                           plain_inf_nan=c.exact or bool(c.plan and c.plan.squares),
+                           exact_diagonal=bool(c.plan and c.plan.diagonal))
+        return new
+
+
+def _replacement(c: Candidate) -> Replacement:
+    return Replacement([c.index], list(c.expander.sources), list(c.eqn.outvars), c.build, anchor=c.index)
+
+
+def _emission_error(c: Candidate) -> str | None:
+    """Why emitting ``c`` on its own fails (``None`` if it does not)."""
+    try:
+        trace_flat(c.build, [v.aval for v in c.expander.sources])
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def inline_calls_everywhere(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    """``closed`` with every call (``pjit``, ``custom_jvp``/``custom_vjp``, ``checkpoint``) replaced by
+    its body, at every level (loop and cond bodies too); the same object when there is none.
+
+    The passes run after JAX has differentiated the program, so a custom rule's body is the
+    computation; inlining lets the matcher read values inside it and see who reads its results.
+    """
+    if not any(eqn.primitive.name in INLINABLE for eqn in iter_eqns(closed)):
+        return closed
+
+    def rule(eqn, invals):
+        if eqn.primitive.name in INLINABLE:
+            body = call_body(eqn)
+            if body is not None:
+                with at_source_of(eqn):
+                    return evaluate(body.jaxpr, body.consts, invals, eqn_rule=rule)
+        params = map_subjaxprs(eqn, inline_calls_everywhere)
+        return None if params is None else bind_equation(eqn, invals, params)
+
+    return rewrite(closed, eqn_rule=rule, name="algebraic")
+
+
+#: Producers whose large result an exact rewrite can skip: a broadcast product, a matrix product.
+EXACT_PRODUCERS = frozenset({"mul", "dot_general"})
+#: What may stand between such a producer and the root (relabelling, selection).
+LOOKED_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "copy",
+                            "select_n", "neg", "broadcast_in_dim"})
+
+
+def _may_save_exactly(eqn, scope: Scope, depth: int = 4) -> bool:
+    """A cheap test for roots that an exact rewrite might improve whatever the threshold: a root
+    reading a value larger than its result that a product builds (within ``depth`` relabelling
+    steps), or a platform cond (``jnp.diagonal``). The full expansion is linear in the program; this
+    keeps the pass from expanding every sum of a long program."""
+    if eqn.primitive.name == "cond":
+        return bool(eqn.params.get("branches_platforms"))
+    result = aval_nbytes(eqn.outvars[0].aval)
+    frontier = [a for a in eqn.invars if isinstance(a, core.Var) and aval_nbytes(a.aval) > result]
+    for _ in range(depth):
+        following = []
+        for atom in frontier:
+            found = scope.defining(atom)
+            if found is None:
+                continue
+            name = found[2].primitive.name
+            if name in EXACT_PRODUCERS:
+                return True
+            if name in LOOKED_THROUGH:
+                following.extend(a for a in found[2].invars if isinstance(a, core.Var))
+        frontier = following
+    return False
 
 
 def _touches_large(eqn, threshold: int | None) -> bool:
-    """Whether a root reads or writes a value over the threshold: a cheap filter, since a rewrite
-    must remove such a value and it is read by the root (or is the root's own result); the
-    expansion walk itself is linear in the program, which made the pass quadratic."""
+    """Whether a root reads or writes a value over the threshold: a cheap filter for inexact
+    rewrites, since one must remove such a value and it is read by the root (or is the root's own
+    result); the expansion walk itself is linear in the program, which made the pass quadratic."""
     if threshold is None:
         return True
     values = [v for v in (*eqn.invars, *eqn.outvars) if isinstance(v, core.Var)]
     return any(aval_nbytes(v.aval) > threshold for v in values)
 
 
-def _location(jaxpr: core.Jaxpr, c: Candidate) -> str:
+def _location(jaxpr: core.Jaxpr, index: int, expander: Expander) -> str:
     """The user's source line: the root's, else that of the latest looked-through equation that has one."""
-    indices = [c.index] + sorted((i.eqn_index for i in c.expander.internal.values()), reverse=True)
+    indices = [index] + sorted((i.eqn_index for i in expander.internal.values()), reverse=True)
     for i in indices:
         where = source_line(jaxpr.eqns[i])
         if where != "<unknown>":
             return where
     return "<unknown>"
+
+
+def _named(eqn) -> str:
+    """``sqrt at file.py:12 (f)``, or the primitive alone when the line is unknown."""
+    where = source_line(eqn)
+    return eqn.primitive.name if where == "<unknown>" else f"{eqn.primitive.name} at {where}"
 
 
 def _summary(c: Candidate) -> str:

@@ -30,6 +30,27 @@ product.
 ``Expansion.depth`` counts how many sums were multiplied together: 1 for
 ``g·(x − y)``, 2 for ``(x − y)²``. Expansions deeper than 2 (a cube of a
 difference) are refused: expanding them cancels catastrophically.
+``Expansion.exact`` says that no product or sum was distributed over a sum:
+the expansion computes the same products as the written code and only sums
+them in another order (a contraction, a diagonal or trace of a product); an
+inexact one (a squared distance) cancels and is used only where
+:mod:`.guards` allows it.
+
+A difference of two tensors that differ only in one factor (``x[:,None] −
+y[None]``, ``x/ℓ − y/ℓ``) is kept as one :class:`Difference` factor while
+walking (the *written* form, which :mod:`.guards` reads: which sources enter
+only through differences, whether the value is a square of them); and
+:meth:`Expander.substitute` multiplies it out into the expansion that is
+emitted.
+
+A ``where``/``select`` is expanded only when its predicate is an identity
+mask and its other case is zero: the selection keeps reading only the
+selected values. A data-dependent ``where`` is a leaf: expanding it into
+``f + mask·(t − f)`` would read the values it drops (an Inf or NaN it guards
+would come back). A product with an identity mask (``jnp.eye(n) * M``) is a
+selection too: XLA itself simplifies it to one (``jax.jit`` gives the
+diagonal's value where eager JAX gives 0·Inf = NaN for an Inf off the
+diagonal), so the rewrite matches ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -43,6 +64,7 @@ import opt_einsum
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
+from jax._src.numpy.einsum import _einsum as _jnp_einsum
 
 from hlopass.einsum_order import einsum_order
 from hlopass.families import dot_general_operand_labels
@@ -100,11 +122,15 @@ class Monomial:
 
 @dataclasses.dataclass(frozen=True)
 class Expansion:
-    """A sum of monomials; ``depth`` = sums multiplied together, ``nonneg`` = a sum of even powers."""
+    """A sum of monomials; ``depth`` = sums multiplied together, ``nonneg`` = a sum of even powers,
+    ``exact`` = nothing was distributed over a sum (the same products, summed in another order),
+    ``spread`` = a sum other than a :class:`Difference` factor was multiplied out."""
 
     monomials: tuple[Monomial, ...]
     depth: int = 0
     nonneg: bool = False
+    exact: bool = True
+    spread: bool = False
 
     @property
     def is_monomial(self) -> bool:
@@ -145,13 +171,35 @@ def add(a: Expansion, b: Expansion, sign: float = 1.0) -> Expansion:
     """``a + sign·b``."""
     monomials = _collect(a.monomials + tuple(dataclasses.replace(m, coeff=sign * m.coeff) for m in b.monomials))
     depth = max(a.depth, b.depth, 1 if len(monomials) > 1 else 0)
-    return Expansion(monomials, depth, a.nonneg and b.nonneg and sign > 0)
+    return Expansion(monomials, depth, a.nonneg and b.nonneg and sign > 0, a.exact and b.exact,
+                     a.spread or b.spread)
 
 
 def scale(a: Expansion, c: float) -> Expansion:
     """``c·a``."""
     return Expansion(_collect(dataclasses.replace(m, coeff=c * m.coeff) for m in a.monomials),
-                     a.depth, a.nonneg and c >= 0)
+                     a.depth, a.nonneg and c >= 0, a.exact, a.spread)
+
+
+def is_mask(a: Expansion) -> bool:
+    """Whether ``a`` is an identity mask: Kronecker deltas without factors (``iota == iota``)."""
+    return bool(a.monomials) and all(not m.factors and not m.summed and abs(m.coeff) == 1 for m in a.monomials) \
+        and any(m.deltas for m in a.monomials)
+
+
+def _plain(e: Expansion) -> bool:
+    return is_mask(e) or (constant_value(e) is not None and abs(constant_value(e)) == 1)
+
+
+def _distributes(a: Expansion, b: Expansion) -> bool:
+    """Whether ``a·b`` multiplies a sum (a difference factor too) by something other than ±1 or a
+    mask (a selection)."""
+    return (a.depth > 0 and not _plain(b)) or (b.depth > 0 and not _plain(a))
+
+
+def _spreads(a: Expansion, b: Expansion) -> bool:
+    """Whether ``a·b`` multiplies out a sum of several monomials."""
+    return (len(a.monomials) > 1 and not _plain(b)) or (len(b.monomials) > 1 and not _plain(a))
 
 
 def multiply(a: Expansion, b: Expansion, square: bool = False) -> Expansion:
@@ -162,25 +210,71 @@ def multiply(a: Expansion, b: Expansion, square: bool = False) -> Expansion:
     products = (Monomial(x.coeff * y.coeff, _merge_factors(x.factors + y.factors),
                          tuple(sorted(x.deltas + y.deltas)), x.summed | y.summed)
                 for x, y in itertools.product(a.monomials, b.monomials))
-    return Expansion(_collect(products), depth, square or (a.nonneg and b.nonneg))
+    return Expansion(_collect(products), depth, square or (a.nonneg and b.nonneg),
+                     a.exact and b.exact and not _distributes(a, b), a.spread or b.spread or _spreads(a, b))
 
 
 def sum_over(a: Expansion, labels) -> Expansion:
     """``Σ_labels a``."""
     extra = frozenset(label for label in labels if label is not None)
     return Expansion(_collect(dataclasses.replace(m, summed=m.summed | extra) for m in a.monomials),
-                     a.depth, a.nonneg)
+                     a.depth, a.nonneg, a.exact and (a.depth == 0 or not extra), a.spread)
 
 
 def reciprocal(a: Expansion) -> Expansion:
     """``1/a`` for a single monomial without sums or deltas."""
-    if not a.is_monomial:
+    if not a.is_monomial or any(is_difference(f) for m in a.monomials for f in m.factors):
         raise NoMatch("division by a sum is not a polynomial")
     (m,) = a.monomials
     if m.deltas or m.summed:
         raise NoMatch("division by a reduction or a mask is not a polynomial")
     factors = tuple(dataclasses.replace(f, power=-f.power) for f in m.factors)
-    return Expansion((Monomial(1.0 / m.coeff, factors),), 0, a.nonneg)
+    return Expansion((Monomial(1.0 / m.coeff, factors),), 0, a.nonneg, a.exact, a.spread)
+
+
+# --------------------------------------------------------------------------------------------
+# Differences: kept whole while walking, multiplied out when emitted
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """``a[a_labels] − b[b_labels]``: two sources (indices into :attr:`Expander.sources`) subtracted
+    elementwise, as in ``x[:, None] − y[None]``. A :class:`Factor` whose ``source`` is negative,
+    ``-(k + 1)``, stands for difference ``k`` of :attr:`Expander.differences`, its ``labels`` being
+    :attr:`labels`."""
+
+    a: int
+    a_labels: tuple
+    b: int
+    b_labels: tuple
+
+    @property
+    def labels(self) -> tuple:
+        """Every label of the difference: ``a`` 's, then those only ``b`` has."""
+        own = tuple(lab for lab in self.a_labels if lab is not None)
+        return own + tuple(lab for lab in self.b_labels if lab is not None and lab not in own)
+
+    @property
+    def shared(self) -> frozenset:
+        """Labels both sides carry (the feature axes, batch axes)."""
+        return (frozenset(self.a_labels) & frozenset(self.b_labels)) - {None}
+
+    def expansion(self) -> Expansion:
+        """``a − b`` as two monomials."""
+        return Expansion((Monomial(1.0, (Factor(self.a, self.a_labels),)),
+                          Monomial(-1.0, (Factor(self.b, self.b_labels),))), 1, False)
+
+
+def _order_key(factor: Factor) -> tuple:
+    return factor.source, tuple(-1 if lab is None else lab for lab in factor.labels)
+
+
+def is_difference(factor: Factor) -> bool:
+    return factor.source < 0
+
+
+def difference_index(factor: Factor) -> int:
+    return -factor.source - 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +356,10 @@ class Expander:
 
     ``sources`` are the top-level variables the factors read; ``label_sizes``
     maps every label to its extent; ``internal`` lists the top-level values
-    looked through; ``notes`` says why sub-expressions became leaves.
+    looked through; ``notes`` says why sub-expressions became leaves;
+    ``differences`` are the :class:`Difference` s the written form keeps whole;
+    ``hidden`` says that some value could not be read because it lives inside a
+    call's body (inlining the call would show it).
     """
 
     def __init__(self, jaxpr: core.Jaxpr, top: Scope | None = None, limits: ExpansionLimits = ExpansionLimits()):
@@ -273,8 +370,58 @@ class Expander:
         self.label_sizes: dict[int, int] = {}
         self.internal: dict[core.Var, Internal] = {}
         self.notes: list[str] = []
+        self.differences: list[Difference] = []
+        self._difference_index: dict[Difference, int] = {}
+        self.hidden = False
         self._labels = itertools.count()
         self._visits = 0
+
+    # -- the written form and the expanded one -------------------------------------------------
+    def difference(self, a: Expansion, b: Expansion, sign: float) -> Expansion | None:
+        """``a + sign·b`` as one :class:`Difference` factor when ``a = α·F·x`` and ``b = β·F·y``
+        differ in one source factor ``x``/``y`` and ``α + sign·β = 0``; else ``None``."""
+        if len(a.monomials) != 1 or len(b.monomials) != 1 or a.depth or b.depth:
+            return None
+        (ma,), (mb,) = a.monomials, b.monomials
+        if ma.deltas or mb.deltas or ma.summed or mb.summed or ma.coeff + sign * mb.coeff != 0:
+            return None
+        for fa in ma.factors:
+            for fb in mb.factors:
+                if fa.power != 1 or fb.power != 1 or is_difference(fa) or is_difference(fb) or fa == fb:
+                    continue
+                rest_a, rest_b = list(ma.factors), list(mb.factors)
+                rest_a.remove(fa)
+                rest_b.remove(fb)
+                if rest_a != rest_b:
+                    continue
+                coeff = ma.coeff
+                if _order_key(fb) < _order_key(fa):  # one spelling per difference
+                    fa, fb, coeff = fb, fa, -coeff
+                diff = Difference(fa.source, fa.labels, fb.source, fb.labels)
+                k = self._difference_index.setdefault(diff, len(self.differences))
+                if k == len(self.differences):
+                    self.differences.append(diff)
+                factor = Factor(-(k + 1), diff.labels)
+                return Expansion((Monomial(coeff, _merge_factors(tuple(rest_a) + (factor,))),), 1, False,
+                                 a.exact and b.exact, a.spread or b.spread)
+        return None
+
+    def substitute(self, written: Expansion) -> Expansion:
+        """The written form with every :class:`Difference` multiplied out: what is emitted."""
+        if not any(is_difference(f) for m in written.monomials for f in m.factors):
+            return written
+        total = Expansion(())
+        for m in written.monomials:
+            plain = tuple(f for f in m.factors if not is_difference(f))
+            term = Expansion((Monomial(m.coeff, plain, m.deltas, m.summed),))
+            for f in m.factors:
+                if is_difference(f):
+                    for _ in range(f.power):
+                        term = multiply(term, self.differences[difference_index(f)].expansion())
+            total = add(total, term)
+        if len(total.monomials) > self.limits.max_terms:
+            raise NoMatch(f"expansion has more than {self.limits.max_terms} terms")
+        return Expansion(total.monomials, written.depth, written.nonneg, False, True)
 
     def fresh(self, size: int) -> int | None:
         """A new label of extent ``size`` (``None`` for size 1)."""
@@ -308,6 +455,8 @@ class Expander:
                     result = fn(self, eqn, scope, position, labels)
                     if len(result.monomials) > self.limits.max_terms:
                         raise NoMatch(f"expansion has more than {self.limits.max_terms} terms")
+                    if scope.is_top and len(result.monomials) > 1 and self._reads_full_size(result, labels):
+                        raise NoMatch("a sum whose every term reads a tensor of its own size: nothing to expand")
                 except NoMatch as reason:
                     if not scope.is_top:
                         raise
@@ -319,6 +468,20 @@ class Expander:
                         self.internal.setdefault(atom, Internal(atom, index, aval_nbytes(atom.aval), eqn.primitive.name))
                     return result
         return self._leaf(atom, scope, labels)
+
+    def _reads_full_size(self, e: Expansion, labels: tuple) -> bool:
+        """Whether every monomial of ``e`` (the value at ``labels``) has a factor indexed by all of
+        ``labels``: then the value is no smaller than what its expansion reads, and expanding it
+        only distributes (a leaf is as good and exact)."""
+        own = {lab for lab in labels if lab is not None}
+
+        def full(f: Factor) -> bool:
+            if is_difference(f):
+                d = self.differences[difference_index(f)]
+                return own <= set(d.a_labels) or own <= set(d.b_labels)
+            return own <= set(f.labels)
+
+        return bool(own) and all(any(full(f) for f in m.factors) for m in e.monomials)
 
     def operand(self, eqn, scope, k: int, labels: tuple) -> Expansion:
         """Expansion of ``eqn.invars[k]`` for an elementwise ``eqn`` whose output axes carry ``labels``.
@@ -345,6 +508,7 @@ class Expander:
 
     def _leaf(self, atom, scope: Scope, labels: tuple) -> Expansion:
         if not scope.is_top:
+            self.hidden = True
             raise NoMatch(f"a value inside a sub-jaxpr ({atom.aval.str_short()}) is not readable outside it")
         if atom not in self._source_index:
             self._source_index[atom] = len(self.sources)
@@ -403,14 +567,20 @@ def _unit_reshape(ex, eqn, scope, _k, labels):
 
 # -- arithmetic -------------------------------------------------------------------------------
 
+def _sum_of_two(ex, eqn, scope, labels, sign: float) -> Expansion:
+    a, b = ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels)
+    found = ex.difference(a, b, sign)
+    return found if found is not None else add(a, b, sign)
+
+
 @rule("add", "add_any")
 def _add(ex, eqn, scope, _k, labels):
-    return add(ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels))
+    return _sum_of_two(ex, eqn, scope, labels, 1.0)
 
 
 @rule("sub")
 def _sub(ex, eqn, scope, _k, labels):
-    return add(ex.operand(eqn, scope, 0, labels), ex.operand(eqn, scope, 1, labels), sign=-1.0)
+    return _sum_of_two(ex, eqn, scope, labels, -1.0)
 
 
 @rule("neg")
@@ -520,14 +690,20 @@ def _eq(ex, eqn, scope, _k, labels):
 
 @rule("select_n")
 def _select_n(ex, eqn, scope, _k, labels):
-    """``where(mask, on_true, on_false)`` for a polynomial 0/1 mask: ``f + mask·(t − f)``."""
+    """``where(δ, t, 0)`` for an identity mask δ: a selection (``jnp.trace`` builds it).
+
+    Any other ``where`` guards the values it drops (an Inf or NaN): expanding it as
+    ``f + mask·(t − f)`` would read them, so it stays a leaf.
+    """
     if len(eqn.invars) != 3:
         raise NoMatch("select_n with more than two cases")
     mask = ex.operand(eqn, scope, 0, labels)
+    if not is_mask(mask):
+        raise NoMatch("a where/select on data guards the values it drops (an Inf or NaN): they stay behind it")
     on_false, on_true = ex.operand(eqn, scope, 1, labels), ex.operand(eqn, scope, 2, labels)
-    if not on_false.monomials:
-        return multiply(mask, on_true)
-    return add(on_false, multiply(mask, add(on_true, on_false, sign=-1.0)))
+    if on_false.monomials:
+        raise NoMatch("a where/select off an identity mask reads the values it drops when expanded")
+    return multiply(mask, on_true)
 
 
 # -- calls ------------------------------------------------------------------------------------
@@ -607,20 +783,32 @@ def emit(expansion: Expansion, values: list, output_labels: tuple, label_sizes: 
 
     ``output_labels`` gives the label of each output axis (``None`` for size 1).
     """
+    total = add_terms(emit_terms(expansion, values, output_labels, label_sizes, out_shape, dtype), out_shape, dtype)
+    if clamp_at_zero:
+        total = jnp.maximum(total, jnp.zeros((), dtype))
+    return total
+
+
+def emit_terms(expansion: Expansion, values: list, output_labels: tuple, label_sizes: dict, out_shape: tuple,
+               dtype) -> list:
+    """One array of the output's shape per monomial of ``expansion`` (see :func:`emit`)."""
     outputs = {lab for lab in output_labels if lab is not None}
-    terms = [_emit_monomial(m, values, output_labels, outputs, label_sizes, out_shape, dtype)
-             for m in expansion.monomials]
+    return [_emit_monomial(m, values, output_labels, outputs, label_sizes, out_shape, dtype)
+            for m in expansion.monomials]
+
+
+def add_terms(terms: list, out_shape: tuple, dtype):
+    """The sum of ``terms`` in order (zeros for none)."""
     total = terms[0] if terms else jnp.zeros(out_shape, dtype)
     for term in terms[1:]:
         total = total + term
-    if clamp_at_zero:
-        total = jnp.maximum(total, jnp.zeros((), dtype))
     return total
 
 
 def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out_shape, dtype):
     mapping, summed = _unify(m, outputs)
     operands, subscripts, scalar = [], [], jnp.asarray(m.coeff, dtype)
+    unit = m.coeff == 1.0
     used: set[int] = set()
     for f in m.factors:
         value = values[f.source].astype(dtype)
@@ -629,23 +817,40 @@ def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out
         value = _raise(value, f.power)
         labels = [mapping.get(f.labels[i], f.labels[i]) for i in keep]
         if not labels:
-            scalar = scalar * value
+            scalar, unit = scalar * value, False
             continue
         operands.append(value)
         subscripts.append(labels)
         used.update(labels)
     for lab in summed - used:
-        scalar = scalar * label_sizes[lab]
+        scalar, unit = scalar * label_sizes[lab], False
     kept = [lab for lab in output_labels if lab is not None and lab in used]
     if operands:
+        result_size = int(np.prod([label_sizes[lab] for lab in kept], dtype=np.int64))
+        smallest = min(range(len(operands)), key=lambda k: operands[k].size)
+        scale_first = not unit and operands[smallest].size < result_size
+        if scale_first:  # scale the smallest operand, not the (larger) result: one pass less over it
+            operands[smallest] = operands[smallest] * scalar
         names = {lab: opt_einsum.get_symbol(i) for i, lab in enumerate(sorted(used))}
         spec = ",".join("".join(names[lab] for lab in s) for s in subscripts) + "->" + "".join(names[lab] for lab in kept)
-        path = contraction_path(spec, [o.shape for o in operands])
-        result = jnp.einsum(spec, *operands, precision=lax.Precision.HIGHEST, optimize=path) * scalar
+        result = einsum(spec, operands)
+        if not unit and not scale_first:
+            result = result * scalar
     else:
         result = scalar
     positions = [i for i, lab in enumerate(output_labels) if lab is not None and lab in used]
     return lax.broadcast_in_dim(jnp.asarray(result, dtype), out_shape, positions)
+
+
+def einsum(spec: str, operands: list):
+    """``jnp.einsum(spec, *operands)`` in the order of :func:`contraction_path`, at the highest
+    precision. (``jnp.einsum`` itself builds a new ``jit`` per call: tens of milliseconds each when
+    a pass emits hundreds of terms, so its implementation is called directly.)"""
+    path = contraction_path(spec, [o.shape for o in operands])
+    _, contractions = opt_einsum.contract_path(spec, *operands, einsum_call=True, use_blas=True, optimize=path,
+                                               shapes=False)
+    contractions = tuple((a, frozenset(b), c) for a, b, c, *_ in contractions)
+    return _jnp_einsum(list(operands), contractions, lax.Precision.HIGHEST, None)
 
 
 def contraction_path(spec: str, shapes) -> list:

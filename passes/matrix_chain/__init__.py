@@ -12,12 +12,17 @@ total, and is a boundary otherwise.
 Emits: the same contraction as ``lax.dot_general`` s in the order with the
 fewest multiply-adds (opt_einsum's dynamic programming), with every
 intermediate within the size threshold when one is set and some order
-allows it. Chains already in such an order are left as they are. Floating
-types only; a chain whose products ask for different precisions is
-reported as skipped.
+allows it. An order replaces the one as written only when it cuts the
+multiply-adds by at least ``Config.min_gain`` (``HLOPASS_MIN_GAIN``,
+default 1.25), or when the written order breaks the threshold and the new
+one does not. Floating types only.
 
-Leaves alone: chains already in their cheapest order, non-float chains, and
-intermediates read outside the chain (boundaries).
+Leaves alone: chains already in their cheapest order, chains whose cheapest
+order gains less than ``min_gain`` (reported, with both multiply-add
+counts), non-float chains, intermediates read outside the chain
+(boundaries), and a chain whose products ask for different precisions or
+that cannot be read or emitted (reported with its source line; the level's
+other chains are still reordered).
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ import functools
 import numpy as np
 from jax._src import core
 
-from hlopass.config import Config
+from hlopass.config import DEFAULT_MIN_GAIN, Config
 from hlopass.graph import DataflowGraph
 from hlopass.interpreter import Replacement, rewrite
-from hlopass.jaxpr_utils import dce
+from hlopass.jaxpr_utils import dce, trace_flat
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
@@ -42,13 +47,19 @@ from .network import (ChainOptions, Network, Path, contract, describe_path, extr
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The order chosen for one chain and what it costs, next to the order as written."""
+    """The order chosen for one chain and what it costs, next to the order as written.
+
+    ``rewrite`` says whether to emit it; when it is false, ``why`` says why the order as
+    written stays (empty when the written order is already the cheapest).
+    """
 
     path: Path
     flops_before: int
     flops_after: int
     peak_before: int
     peak_after: int
+    rewrite: bool = True
+    why: str = ""
 
 
 class MatrixChainPass(Pass):
@@ -65,7 +76,13 @@ class MatrixChainPass(Pass):
         graph = DataflowGraph(live)
         replacements = []
         options = self.options
-        for network in extract_networks(graph, shared_worth_inlining(graph, options=options)):
+        try:
+            inline = shared_worth_inlining(graph, options=options, min_gain=config.min_gain)
+        except Exception as err:  # noqa: BLE001 - a failure here must not cost the level's other chains
+            report.skip("<unknown>", "dot_general", f"could not weigh recomputing shared products "
+                        f"({type(err).__name__}: {err}); each is kept as written")
+            inline = frozenset()
+        for network in extract_networks(graph, inline):
             root = graph.eqn(network.root)
             if network.unsupported:
                 report.skip(root, "dot_general", f"chain {network.original_expression}: {network.unsupported}")
@@ -74,11 +91,20 @@ class MatrixChainPass(Pass):
                 report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
                                                  f"the pass handles ({options.max_operands})")
                 continue
-            # A chain that recomputes a shared product must be rewritten: the
-            # product's other readers no longer have it otherwise.
-            plan = plan_order(network, config.threshold, force=bool(network.shared_eqns),
-                              search_limit=options.max_exponential_search)
-            if plan is None:
+            try:
+                # A chain that recomputes a shared product must be rewritten: the
+                # product's other readers no longer have it otherwise.
+                plan = plan_order(network, config.threshold, force=bool(network.shared_eqns),
+                                  search_limit=options.max_exponential_search, min_gain=config.min_gain)
+                if plan.rewrite:
+                    trace_flat(functools.partial(_emit, network, plan.path), [a.aval for a in network.atoms])
+            except Exception as err:  # noqa: BLE001 - one chain's failure must not cost the others
+                report.skip(root, "dot_general", f"chain {network.original_expression}: could not be reordered "
+                            f"({type(err).__name__}: {err}); left as written")
+                continue
+            if not plan.rewrite:
+                if plan.why:
+                    report.skip(root, "dot_general", f"chain {network.original_expression}: {plan.why}")
                 continue
             replacements.append(Replacement(
                 eqns=network.eqns, inputs=network.atoms, outputs=[root.outvars[0]],
@@ -90,14 +116,17 @@ class MatrixChainPass(Pass):
 
 
 def plan_order(network: Network, threshold_bytes: int | None, force: bool = False,
-               search_limit: int = ChainOptions.max_exponential_search) -> Plan | None:
-    """The order to emit for ``network``, or ``None`` when the order as written is as good
-    (never ``None`` with ``force``).
+               search_limit: int = ChainOptions.max_exponential_search,
+               min_gain: float = DEFAULT_MIN_GAIN) -> Plan:
+    """The order to emit for ``network`` (``Plan.rewrite`` false when the order as written stays;
+    never with ``force``).
 
     With a threshold, the cheapest order whose intermediates all fit under it
     wins; if the order as written does not fit and another does, that one is
     taken even at a higher multiply-add count. If none fits, the cheapest
-    order overall is used.
+    order overall is used. Otherwise an order replaces the written one only when it cuts the
+    multiply-adds by at least ``min_gain`` (``Config.min_gain``): a smaller gain is not worth
+    the change of rounding.
     """
     itemsize = np.dtype(network.dtype).itemsize
     limit = None if threshold_bytes is None else max(threshold_bytes // itemsize, 1)
@@ -118,17 +147,24 @@ def plan_order(network: Network, threshold_bytes: int | None, force: bool = Fals
     peak_after = cost.peak_elements * itemsize
     fits_now = limit is None or network.original_peak_bytes <= threshold_bytes
     fits_after = limit is None or peak_after <= threshold_bytes
-    cheaper = cost.multiply_adds < network.original_multiply_adds
-    if not (force or _better(cheaper, fits_now, fits_after)):
-        return None
-    return Plan(path, 2 * network.original_multiply_adds, 2 * cost.multiply_adds,
-                network.original_peak_bytes, peak_after)
+    before, after = network.original_multiply_adds, cost.multiply_adds
+    cheaper = after < before
+    pays = cheaper and after * min_gain <= before
+    plan = Plan(path, 2 * before, 2 * after, network.original_peak_bytes, peak_after)
+    if force or _better(pays, fits_now, fits_after):
+        return plan
+    why = ""
+    if cheaper and not pays and (fits_after or not fits_now):
+        why = (f"left as written: the cheapest order ({describe_path(network, path)}) cuts the multiply-adds "
+               f"only {before / after:.3g}x ({before:,} -> {after:,}), less than the minimum gain "
+               f"{min_gain:g} (HLOPASS_MIN_GAIN, min_gain=)")
+    return dataclasses.replace(plan, rewrite=False, why=why)
 
 
-def _better(cheaper: bool, fits_now: bool, fits_after: bool) -> bool:
+def _better(pays: bool, fits_now: bool, fits_after: bool) -> bool:
     if fits_after and not fits_now:
         return True  # the order as written breaks the threshold, the new one does not
-    return cheaper and (fits_after or not fits_now)  # fewer multiply-adds, no new breach
+    return pays and (fits_after or not fits_now)  # enough fewer multiply-adds, no new breach
 
 
 def _emit(network: Network, path: Path, *values):

@@ -127,6 +127,16 @@ class Network:
 
 # -- extraction from jaxprs ------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def promote(a, b) -> np.dtype:
+    """The type ``jnp.matmul`` computes two dtypes in (JAX's standard promotion lattice), whatever
+    ``jax_numpy_dtype_promotion`` says: the chain's casts are explicit in the jaxpr already."""
+    import jax
+
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(jax.numpy.promote_types(a, b))
+
+
 def is_link(eqn: core.JaxprEqn) -> bool:
     """Whether ``eqn`` may sit inside a chain: a floating (or complex) contraction, transpose,
     sum, or a conversion that loses nothing."""
@@ -142,7 +152,7 @@ def is_link(eqn: core.JaxprEqn) -> bool:
         return False
     if name == "convert_element_type":
         in_dtype = eqn.invars[0].aval.dtype
-        return jnp.issubdtype(in_dtype, jnp.inexact) and jnp.promote_types(in_dtype, out_dtype) == out_dtype
+        return jnp.issubdtype(in_dtype, jnp.inexact) and promote(in_dtype, out_dtype) == out_dtype
     if name == "dot_general":
         return all(jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars)
     if name in UNIT_AXIS_PRIMITIVES:
@@ -196,7 +206,12 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     networks, charged = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
         if is_link(eqn) and eqn.outvars[0] not in absorbed:
-            network = _NetworkBuilder(jaxpr, absorbed, inline, charged).build(i)
+            try:
+                network = _NetworkBuilder(jaxpr, absorbed, inline, charged).build(i)
+            except Exception as err:  # noqa: BLE001 - one unreadable chain must not cost the others
+                network = Network(operands=[], output=(), sizes={}, dtype=np.dtype(np.float32), root=i,
+                                  original_expression=eqn.primitive.name,
+                                  unsupported=f"could not be read ({type(err).__name__}: {err})")
             if network is not None:
                 networks.append(network)
     return networks
@@ -215,21 +230,30 @@ def shareable(graph) -> list:
 
 
 def shared_worth_inlining(graph, cost=None, max_candidates: int = 32,
-                          options: ChainOptions = DEFAULTS) -> frozenset:
+                          options: ChainOptions = DEFAULTS, min_gain: float = 1.0) -> frozenset:
     """The shared results to recompute in each chain that reads them, chosen greedily: one is
-    taken when the chains' total optimal multiply-adds (``cost(network)``, by default
-    :func:`optimal_path`'s) drop below those of keeping it a boundary computed once."""
+    taken when the optimal multiply-adds (``cost(network)``, by default :func:`optimal_path`'s)
+    of the chains that change drop by at least the factor ``min_gain`` (and strictly) against
+    keeping it a boundary computed once."""
     cost = cost or functools.partial(_optimal_multiply_adds, options=options)
     inline: frozenset = frozenset()
     candidates = shareable(graph)[:max_candidates]
     if not candidates:
         return inline
-    best = sum(map(cost, extract_networks(graph, inline)))
+    current = _costs_by_root(extract_networks(graph, inline), cost)
     for var in candidates:
-        trial = sum(map(cost, extract_networks(graph, inline | {var})))
-        if trial < best:
-            inline, best = inline | {var}, trial
+        trial = _costs_by_root(extract_networks(graph, inline | {var}), cost)
+        changed = {root for root in current.keys() | trial.keys() if current.get(root) != trial.get(root)}
+        before = sum(current[root][1] for root in changed if root in current)
+        after = sum(trial[root][1] for root in changed if root in trial)
+        if after < before and after * min_gain <= before:
+            inline, current = inline | {var}, trial
     return inline
+
+
+def _costs_by_root(networks, cost) -> dict:
+    """``root -> (the chain's einsum, its cost)``: which chains an inlining changes, and by how much."""
+    return {network.root: (network.subscripts, cost(network)) for network in networks}
 
 
 def _optimal_multiply_adds(network: Network, options: ChainOptions = DEFAULTS) -> float:
@@ -638,7 +662,9 @@ def contract(network: Network, path: Path, values: Sequence[Any]):
         contracted = [label for label in xl if label in yl and label not in keep]
         dims = (([xl.index(c) for c in contracted], [yl.index(c) for c in contracted]),
                 ([xl.index(b) for b in batch], [yl.index(b) for b in batch]))
-        dtype = jnp.promote_types(jnp.promote_types(xv.dtype, yv.dtype), network.dtype)
+        common = promote(xv.dtype, yv.dtype)  # explicit casts: no implicit promotion (strict mode)
+        xv, yv = (v if v.dtype == common else lax.convert_element_type(v, common) for v in (xv, yv))
+        dtype = promote(common, network.dtype)
         return lax.dot_general(xv, yv, dims, precision=network.precision, preferred_element_type=dtype), labels
 
     value, labels = _execute(network, path, leaves.__getitem__, sum_out, dot)
@@ -647,7 +673,7 @@ def contract(network: Network, path: Path, values: Sequence[Any]):
     new_axes = tuple(a for a, label in enumerate(network.output) if label not in labels)
     if new_axes:  # axes of size 1 that no operand has
         value = lax.expand_dims(value, new_axes)
-    return value.astype(network.dtype) if value.dtype != network.dtype else value
+    return lax.convert_element_type(value, network.dtype) if value.dtype != network.dtype else value
 
 
 # -- einsum-string front end -----------------------------------------------------------------
@@ -661,7 +687,7 @@ def network_from_subscripts(subscripts: str, *shapes_and_dtypes) -> Network:
     for labels, (shape, dtype) in zip(inputs.split(","), shapes_and_dtypes):
         operands.append(Operand(None, tuple(labels), np.dtype(dtype)))
         sizes.update(zip(labels, shape))
-    dtype = functools.reduce(jnp.promote_types, (d for _, d in shapes_and_dtypes))
+    dtype = functools.reduce(promote, (d for _, d in shapes_and_dtypes))
     return Network(operands=operands, output=tuple(output), sizes=sizes, dtype=dtype)
 
 

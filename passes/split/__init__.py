@@ -1,26 +1,35 @@
 """The size-threshold splitting pass (eXLA's tensor splitter, on jaxprs).
 
-Matches: a reducing equation (``dot_general``, ``reduce_sum``/``max``/``min``/
-``prod``/``and``/``or``/``xor``, ``argmax``/``argmin``, ``top_k``, a
-cumulative op along another axis) with an operand larger than
-``config.threshold``, together with the region that computes that operand
-from small inputs through elementwise ops, broadcasts, ``iota``, transposes,
-axis-keeping reshapes, ``dot_general``, reductions over other axes,
-``select_n``, ``convert_element_type``, ``integer_pow`` and ``jax.nn``
-functions (``custom_jvp_call`` bodies are inlined). Several reducers reading
-one large value join one region.
+Matches: a size-reducing equation (``dot_general``, ``reduce_sum``/``max``/
+``min``/``prod``/``and``/``or``/``xor``, ``argmax``/``argmin``, ``top_k``, a
+cumulative op along another axis, ``triangular_solve``, ``gather``, a
+scatter, a slice) with an operand larger than ``config.threshold``, together
+with the region that computes that operand from small inputs through the
+primitives of :data:`.rules.AXIS_RULES` (elementwise ops, broadcasts,
+``iota``, transposes, axis-keeping reshapes, contractions, reductions over
+other axes, triangular solves, gathers and scatters, dynamic slices, sorts
+along another axis...). Several reducers reading one large value join one
+region. At every program level, calls holding a large value (``pjit``,
+``closed_call``, ``checkpoint``, ``custom_jvp``/``custom_vjp``) are inlined
+first, and the bodies of loops, branches and linear solves are split on
+their own (innermost first). A large value read both before and after its
+own reduction is recomputed once per stage of its readers
+(:mod:`.recompute`), one loop per stage.
 
 Emits: one ``fori_loop`` per region over slices of a split axis (a
 remainder step when the chunk does not divide it), each iteration
 recomputing the region on ``dynamic_slice`` s of its inputs and writing
 (``dynamic_update_slice``) or combining (sum, product, max, min, and, or,
-xor, first-index argmax/argmin, running top-k) its results. The chunk keeps
-the largest value of one iteration within ``config.split_size``; when no
-single axis can, one iteration is split again along a second axis (nested
-loops).
+xor, first-index argmax/argmin, running top-k, a scatter's running result)
+its results. The chunk keeps the largest value of one iteration within
+``config.split_size``; when no single axis can, one iteration is split again
+along a second axis (nested loops).
 
 Leaves alone: what cannot be split (no rule, random numbers, sort or a
-cumulative op along the axis...), reported with its source line.
+cumulative op along the axis, a factorisation of a large matrix...),
+reported with its source line; a region whose loop cannot be built and a
+sub-program that cannot be rebuilt are left as they are and reported, the
+rest is still split.
 """
 
 from __future__ import annotations
@@ -32,15 +41,16 @@ from jax._src import core
 
 from hlopass.config import Config
 from hlopass.graph import DataflowGraph
-from hlopass.interpreter import Replacement, evaluate, rewrite
-from hlopass.families import CUSTOM_DERIVATIVE_CALLS
-from hlopass.interpreter import PLAIN_CALLS
-from hlopass.jaxpr_utils import aval_nbytes, aval_str, call_body, iter_eqns, largest_values
+from hlopass.families import INLINABLE
+from hlopass.interpreter import Replacement, at_source_of, bind_equation, evaluate, rewrite
+from hlopass.jaxpr_utils import (aval_nbytes, aval_str, call_body, has_subjaxprs, iter_eqns, largest_values,
+                                 map_subjaxprs, subjaxprs)
 from hlopass.pass_base import Pass
-from hlopass.report import PassReport
+from hlopass.report import PassReport, source_line
 from hlopass.sizes import format_size
 
 from .emit import LoopPlan
+from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +79,7 @@ class SplitPass(Pass):
     Options = SplitOptions
 
     def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
-        new, report = super().run(closed, config)
+        new, report = self.run_once(closed, config)
         limit = config.memory_limit
         if limit is None or config.threshold is None or not report.rewrites or _upper_bound(new) <= limit:
             return new, report
@@ -80,7 +90,7 @@ class SplitPass(Pass):
             smaller = dataclasses.replace(current, threshold=max(1, current.threshold // 2),
                                           split_size=max(1, current.split_size // 2))
             retries.append((current, smaller, footprint))
-            new, report = super().run(closed, smaller)
+            new, report = self.run_once(closed, smaller)
             footprint, current = _footprint(new), smaller
         for before, after, seen in retries:
             report.rewrite("retry", "<memory limit>",
@@ -97,10 +107,12 @@ class SplitPass(Pass):
                            f"the limit {format_size(limit)}", footprint=footprint, limit=limit)
         return new, report
 
-    def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
+    def run_once(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+        """One split of ``closed`` and every sub-program, without the memory-limit loop."""
+        report = PassReport(self.name)
         if config.threshold is None or config.split_size is None:
-            return closed
-        return split_level(closed, config, report, self.options)
+            return closed, report
+        return split_nested(closed, config, report, self.options), report
 
 
 @dataclasses.dataclass
@@ -118,44 +130,233 @@ class _Candidate:
                 self.region.size)
 
 
+def split_nested(closed: core.ClosedJaxpr, config: Config, report: PassReport,
+                 options: SplitOptions = SplitOptions()) -> core.ClosedJaxpr:
+    """Split ``closed`` and every sub-program (loop and branch bodies, linear-solve programs...).
+
+    At each level, calls (``pjit``, ``closed_call``, ``checkpoint``, ``custom_jvp``/``custom_vjp``)
+    that hold a large value are inlined first, so a large value built in one sub-program and
+    consumed in another is seen as written inline; then the remaining sub-programs are split
+    (innermost first), then the level itself. A sub-program that cannot be rebuilt, or a level
+    where the pass fails, is left untouched and named in the report (never the whole function).
+    """
+    mark = (len(report.rewrites), len(report.skipped))
+    try:
+        current = inline_calls_holding_large(closed, config.threshold)
+    except Exception as err:  # noqa: BLE001 - never crash on an unknown program
+        report.skip(_first_location(closed), "call", f"calls left as they are (inlining failed: {_error(err)})")
+        current = closed
+
+    def rule(eqn, invals):
+        if not has_subjaxprs(eqn) or not _holds_large(eqn, config.threshold):
+            return None
+        inner = (len(report.rewrites), len(report.skipped))
+        try:
+            params = map_subjaxprs(eqn, lambda sub: split_nested(sub, config, report, options))
+            outs = None if params is None else bind_equation(eqn, invals, params)
+        except Exception as err:  # noqa: BLE001
+            del report.rewrites[inner[0]:], report.skipped[inner[1]:]
+            report.skip(source_line(eqn), eqn.primitive.name,
+                        f"left this {eqn.primitive.name} and its sub-programs untouched: {_error(err)}")
+            return None
+        _tag_inside(report, inner, eqn)
+        return outs
+
+    if any(has_subjaxprs(eqn) and _holds_large(eqn, config.threshold) for eqn in current.jaxpr.eqns):
+        changed = []
+        try:
+            candidate = rewrite(current, eqn_rule=lambda e, v: _track(changed, rule(e, v)))
+            current = candidate if changed else current
+        except Exception as err:  # noqa: BLE001
+            report.skip(_first_location(current), "sub-programs", f"sub-programs left untouched: {_error(err)}")
+    try:
+        new = split_level(current, config, report, options)
+    except Exception as err:  # noqa: BLE001
+        report.skip(_first_location(current), "split", f"this program level left untouched: {_error(err)}")
+        new = current
+    return new if len(report.rewrites) > mark[0] else closed  # inlining alone changes nothing
+
+
+def _track(changed: list, outs):
+    if outs is not None:
+        changed.append(True)
+    return outs
+
+
+def _error(err: Exception) -> str:
+    text = str(err).split("\n")[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def _first_location(closed: core.ClosedJaxpr) -> str:
+    for eqn in closed.jaxpr.eqns:
+        where = source_line(eqn)
+        if where != "<unknown>":
+            return where
+    return "<unknown>"
+
+
+def _tag_inside(report: PassReport, mark: tuple[int, int], eqn) -> None:
+    """Say in which sub-program (and at which line) the entries made since ``mark`` were made."""
+    where = f" (inside {eqn.primitive.name} at {source_line(eqn)})"
+    for entry in report.rewrites[mark[0]:]:
+        if "(inside " not in entry.summary:
+            entry.summary += where
+    for entry in report.skipped[mark[1]:]:
+        if "(inside " not in entry.reason:
+            entry.reason += where
+
+
+def _holds_large(eqn, threshold: int) -> bool:
+    """Whether ``eqn`` reads, defines or (in a sub-program) computes a value over ``threshold``."""
+    if any(aval_nbytes(a.aval) > threshold for a in (*eqn.invars, *eqn.outvars) if hasattr(a, "aval")):
+        return True
+    return any(aval_nbytes(v.aval) > threshold for sub in subjaxprs(eqn) for e in iter_eqns(sub) for v in e.outvars)
+
+
 def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
                 options: SplitOptions = SplitOptions()) -> core.ClosedJaxpr:
-    """Split every splittable region of one jaxpr level; ``closed`` itself when nothing applies."""
-    if not seeds(closed.jaxpr, config.threshold):
+    """Split every splittable region of one jaxpr level; ``closed`` itself when nothing applies.
+
+    A region whose loop cannot be built is left as it is and reported with its source line; the
+    other regions are still split.
+    """
+    current = inline_calls_holding_large(closed, config.threshold)
+    if not seeds(current.jaxpr, config.threshold):
         return closed
-    current = inline_custom_calls(closed)
     changed = False
+    broken: set = set()
+    staging_tries = 2  # looking for two-pass values costs re-planning: twice per level at most
     for _ in range(options.max_rounds):
         jaxpr = current.jaxpr
         graph = DataflowGraph(jaxpr)
-        plans, failures = _plan_round(jaxpr, graph, config, report, options)
+        plans, failures = _plan_round(jaxpr, graph, config, report, options, broken)
+        if failures and staging_tries:  # a shared large value may need two passes: a copy per stage of readers
+            staging_tries -= 1
+            current, plans, failures = _recompute_where_it_helps(current, plans, failures, config, report,
+                                                                 options, broken)
+            jaxpr = current.jaxpr
         if not plans:
             for seed, index, reason in failures:
                 _report_skip(report, jaxpr, seed, index, reason)
             break
-        current = rewrite(current, [Replacement(sorted(p.region.eqns), p.input_vars, p.outputs, p.build,
-                                                anchor=p.region.seed) for p in plans])
-        changed = True
+        built = _rewrite_isolating_failures(current, jaxpr, plans, report, broken)
+        if built is None:
+            break
+        current, changed = built, True
     return current if changed else closed
 
 
-def _plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitOptions):
+def _recompute_where_it_helps(current, plans, failures, config: Config, report: PassReport,
+                              options: SplitOptions, broken: set):
+    """Give the later stages of readers of a shared large value their own copy, one value at a time,
+    keeping each copy that leaves fewer regions unsplit."""
+    tried = 0
+    for _ in range(len(current.jaxpr.eqns)):
+        candidates = staged_values(current.jaxpr, config.split_size)
+        if tried >= len(candidates) or not failures:
+            break
+        var = candidates[tried]
+        staged = recompute_for_later_stages(current, var, config.split_size)
+        staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
+                                                    options, broken)
+        if len(staged_failures) < len(failures):
+            current, plans, failures = staged, staged_plans, staged_failures
+            tried = 0
+        else:
+            tried += 1
+    if failures:  # values whose copies only help together (a gradient reading several of them again)
+        staged = current
+        for _ in range(4 * len(current.jaxpr.eqns)):
+            candidates = staged_values(staged.jaxpr, config.split_size)
+            if not candidates:
+                break
+            copied = recompute_for_later_stages(staged, candidates[0], config.split_size)
+            if copied is staged:
+                break
+            staged = copied
+        if staged is not current:
+            staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
+                                                        options, broken)
+            if len(staged_failures) < len(failures):
+                current, plans, failures = staged, staged_plans, staged_failures
+    return current, plans, failures
+
+
+def _replacement(plan: LoopPlan) -> Replacement:
+    return Replacement(sorted(plan.region.eqns), plan.input_vars, plan.outputs, plan.build, anchor=plan.region.seed)
+
+
+def _rewrite_isolating_failures(current, jaxpr, plans, report: PassReport, broken: set):
+    """Rewrite ``current`` with every plan and report the splits; when that fails, find the plans that
+    fail on their own, report them and rewrite with the others. ``None`` when none can be built.
+
+    Building a loop may split its steps again (nested), which reports too: attempts whose result is
+    dropped leave no entries, and each split is reported before its steps' splits.
+    """
+    def attempt(chosen, keep):
+        mark = (len(report.rewrites), len(report.skipped))
+        try:
+            new = rewrite(current, [_replacement(p) for p in chosen])
+        finally:
+            if not keep:
+                del report.rewrites[mark[0]:], report.skipped[mark[1]:]
+        if not keep:
+            return new
+        inner = report.rewrites[mark[0]:]
+        del report.rewrites[mark[0]:]
+        for plan in chosen:
+            _report_split(report, jaxpr, plan, plan.candidate)
+        report.rewrites.extend(inner)
+        return new
+
+    try:
+        return attempt(plans, keep=True)
+    except Exception:  # noqa: BLE001 - isolated below
+        pass
+    good = []
+    for plan in plans:
+        try:
+            attempt([plan], keep=False)
+            good.append(plan)
+        except Exception as err:  # noqa: BLE001 - never crash on an unknown program
+            seed = jaxpr.eqns[plan.region.seed]
+            broken.add(_eqn_key(seed))
+            report.skip(source_line(seed), seed.primitive.name,
+                        f"the loop for this region could not be built, left as it is: {_error(err)}")
+    if not good:
+        return None
+    try:
+        return attempt(good, keep=True)
+    except Exception:  # noqa: BLE001 - each works alone but not together: keep the first
+        return attempt(good[:1], keep=True)
+
+
+def _eqn_key(eqn) -> tuple:
+    """Identifies an equation across re-traces (indices change)."""
+    return (eqn.primitive.name, source_line(eqn), tuple(str(v.aval) for v in eqn.outvars),
+            tuple(str(getattr(a, "aval", a)) for a in eqn.invars))
+
+
+def _plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitOptions, broken: set = frozenset()):
     plans: list[LoopPlan] = []
     failures: list[tuple[int, int, str]] = []  # (seed, blocking equation, reason)
     claimed: set[int] = set()
     for seed in reversed(seeds(jaxpr, config.threshold)):  # the last reducer covers the longest chain
-        if seed in claimed:
+        if seed in claimed or _eqn_key(jaxpr.eqns[seed]) in broken:
             continue
-        candidate, why = _best_candidate(jaxpr, graph, seed, config, options)
+        try:
+            candidate, why = _best_candidate(jaxpr, graph, seed, config, options)
+        except Exception as err:  # noqa: BLE001 - a failure here stays with this region
+            failures.append((seed, seed, f"planning failed: {_error(err)}"))
+            continue
         if candidate is None:
             failures.append(why)
             continue
-        if candidate.region.eqns & claimed:
+        if candidate.region.eqns & claimed or any(_eqn_key(jaxpr.eqns[i]) in broken for i in candidate.region.reducing):
             continue  # overlaps a region split this round; looked at again next round
         claimed |= candidate.region.eqns
-        plan = _plan(jaxpr, graph, candidate, config, report, options)
-        plans.append(plan)
-        _report_split(report, jaxpr, plan, candidate)
+        plans.append(_plan(jaxpr, graph, candidate, config, report, options))
     return plans, failures
 
 
@@ -178,7 +379,6 @@ def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptio
 
 def _report_skip(report: PassReport, jaxpr, seed: int, index: int, reason: str) -> None:
     """Name the operation that prevented the split, at its line (the reducer's when it has none)."""
-    from hlopass.report import source_line
     blocker = jaxpr.eqns[index]
     location = source_line(blocker)
     if location == "<unknown>":
@@ -187,7 +387,6 @@ def _report_skip(report: PassReport, jaxpr, seed: int, index: int, reason: str) 
 
 
 def _where(jaxpr, index: int) -> str:
-    from hlopass.report import source_line
     eqn = jaxpr.eqns[index]
     return f"{eqn.primitive.name} ({source_line(eqn)})"
 
@@ -230,7 +429,8 @@ def _divisors(n: int) -> list[int]:
 def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassReport,
           options: SplitOptions) -> LoopPlan:
     region = candidate.region
-    plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk)
+    plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk,
+                    candidate=candidate)
     if candidate.nested:
         inner = dataclasses.replace(config, threshold=config.split_size)
         plan.refine_step = lambda step: split_level(step, inner, report, options)
@@ -268,20 +468,28 @@ def _footprint(closed: core.ClosedJaxpr) -> int:
     """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own."""
     import jax
     from hlopass.memory import measure
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    args = [jax.lax.create_token() if isinstance(a, core.AbstractToken) else jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for a in closed.in_avals]
     return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
 
 
-def inline_custom_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
-    """Inline ``custom_jvp_call``/``custom_vjp_call`` bodies (passes run after differentiation, so
-    only the primal computation matters) and nested ``pjit`` calls: their equations become splittable."""
-    if not any(e.primitive.name in CUSTOM_DERIVATIVE_CALLS | PLAIN_CALLS for e in closed.jaxpr.eqns):
+def inline_calls_holding_large(closed: core.ClosedJaxpr, threshold: int) -> core.ClosedJaxpr:
+    """Inline, at this level, every call (``pjit``, ``closed_call``, ``checkpoint``, ``custom_jvp_call``,
+    ``custom_vjp_call``) that reads, returns or computes a value over ``threshold``, recursively
+    through nested calls: their equations become splittable together with the caller's.
+
+    Passes run after differentiation, so a custom-derivative call is its primal computation.
+    """
+    if not any(eqn.primitive.name in INLINABLE and _holds_large(eqn, threshold) for eqn in closed.jaxpr.eqns):
         return closed
 
     def inline(eqn, invals):
-        body = call_body(eqn) if eqn.primitive.name in CUSTOM_DERIVATIVE_CALLS else None
+        if eqn.primitive.name not in INLINABLE or not _holds_large(eqn, threshold):
+            return None
+        body = call_body(eqn)
         if body is None:
             return None
-        return evaluate(body.jaxpr, body.consts, invals, eqn_rule=inline, inline_calls=True)
+        with at_source_of(eqn):
+            return evaluate(body.jaxpr, body.consts, invals, eqn_rule=inline)
 
-    return rewrite(closed, eqn_rule=inline, inline_calls=True)
+    return rewrite(closed, eqn_rule=inline)

@@ -13,9 +13,16 @@ equations on the slices, and
   ``max``/``min``/``and``/``or``/``xor`` elementwise, ``argmax``/``argmin``
   as (value, index) pairs keeping the first index on ties (NaN wins, as in
   ``jnp.argmax``), ``top_k`` as a running top-k merged with the slice's
-  top-k (the first slice initialises it, so no sentinel can win).
+  top-k (the first slice initialises it, so no sentinel can win);
+* scatters the slice's indices and updates into a scatter's running result
+  (initialised with the scatter's operand), in order, when the indices run
+  along the split axis.
 
-``chunk_program`` is the work of one step as a standalone function; when one
+Floating ``max``/``min`` reductions propagate NaN and ``top_k`` ranks every NaN
+first, whatever kernel XLA picks for one slice (see the README's NaN rule);
+a 16-bit contraction over the split axis keeps float32 partial products.
+
+``step_function`` is the work of one step as a standalone function; when one
 step is still too large, the pass splits that program again along a second
 axis (nested loops).
 """
@@ -35,7 +42,7 @@ from hlopass.families import ELEMENTWISE_MONOIDS
 from hlopass.jaxpr_utils import trace_flat
 
 from .region import SplitRegion
-from .rules import chunk_params, combine, identity
+from .rules import SCATTER_MONOIDS, chunk_params, combine, identity
 
 
 @dataclasses.dataclass
@@ -49,6 +56,8 @@ class LoopPlan:
     chunk: int
     #: optional rewrite of one step's program (nested splitting); gets the traced ClosedJaxpr
     refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
+    #: the pass's choice that produced this plan (for its report)
+    candidate: object = None
 
     @functools.cached_property
     def carried(self) -> list:
@@ -59,6 +68,13 @@ class LoopPlan:
             if monoid == "top_k":
                 hidden += [v for v in self.jaxpr.eqns[i].outvars if v not in self.outputs and v not in hidden]
         return list(self.outputs) + hidden
+
+    @functools.cached_property
+    def scatters(self) -> list[tuple[int, core.Var]]:
+        """Scatters whose indices run along the split axis: ``(equation, result)``. The loop carries
+        their result and scatters each slice into it (the operand is the initial value)."""
+        return [(i, self.jaxpr.eqns[i].outvars[0]) for i in sorted(self.region.reducing)
+                if self.jaxpr.eqns[i].primitive.name in SCATTER_MONOIDS]
 
     @property
     def input_vars(self) -> list[core.Var]:
@@ -81,10 +97,12 @@ class LoopPlan:
         raise KeyError(var)
 
     # -- one step ------------------------------------------------------------------------------
-    def step_values(self, start, size: int, values: dict) -> list:
+    def step_values(self, start, size: int, values: dict, scattered: dict | None = None) -> list:
         """Partial results of one slice ``[start, start + size)``: one per output, plus an
-        argmax/argmin's value for each such output (appended in output order)."""
+        argmax/argmin's value for each such output (appended in output order). ``scattered`` holds
+        the running result of each of :attr:`scatters` (by equation), scattered into here."""
         sliced = {}
+        scattered = scattered or {}
 
         def operand(i, pos, atom):
             if not isinstance(atom, core.Var):
@@ -103,6 +121,8 @@ class LoopPlan:
         for i in self.region.ordered():
             eqn = self.jaxpr.eqns[i]
             invals = [operand(i, pos, atom) for pos, atom in enumerate(eqn.invars)]
+            if i in scattered:
+                invals[0] = scattered[i]
             outs, extra = self._bind(i, eqn, invals, start, size)
             env.update(zip(eqn.outvars, outs))
             if extra is not None:
@@ -121,10 +141,18 @@ class LoopPlan:
                 shape[axis] = size
             shapes.append(tuple(shape))
         monoid = self.region.reducing.get(i)
+        params = chunk_params(eqn, shapes)
+        if eqn.primitive.name == "top_k":
+            invals = [_positive_nan(invals[0])]
         if monoid == "top_k" and size < eqn.params["k"]:
             outs = _whole_slice_as_top_k(eqn, invals[0])
+        elif monoid == "add" and eqn.primitive.name == "dot_general" and _is_low_float(eqn.outvars[0].aval.dtype):
+            # partial products stay in float32 until the end, as XLA accumulates one dot
+            outs = bind_equation(eqn, invals, {**params, "preferred_element_type": jnp.dtype(jnp.float32)})
         else:
-            outs = bind_equation(eqn, invals, chunk_params(eqn, shapes))
+            outs = bind_equation(eqn, invals, params)
+        if eqn.primitive.name in NAN_PROPAGATING and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
+            outs = [_propagate_nan(invals[0], outs[0], eqn.params["axes"])]
         if eqn.primitive.name == "iota" and self.region.var_axis[eqn.outvars[0]] == eqn.params["dimension"]:
             outs = [outs[0] + lax.convert_element_type(start, outs[0].dtype)]
         extra = None
@@ -138,15 +166,18 @@ class LoopPlan:
         return outs, extra
 
     def step_function(self, size: int) -> Callable:
-        """``f(start, *input values) -> step results`` for slices of ``size``, nested-split if asked."""
+        """``f(start, *input values, *scattered results) -> step results`` for slices of ``size``,
+        nested-split if asked."""
         names = self.input_vars
+        scatter_eqns = [i for i, _ in self.scatters]
 
         def step(start, *vals):
-            return self.step_values(start, size, dict(zip(names, vals)))
+            values, states = vals[:len(names)], vals[len(names):]
+            return self.step_values(start, size, dict(zip(names, values)), dict(zip(scatter_eqns, states)))
 
         if self.refine_step is None:
             return step
-        avals = [core.ShapedArray((), jnp.int32)] + [v.aval for v in names]
+        avals = [core.ShapedArray((), jnp.int32)] + [v.aval for v in names] + [v.aval for _, v in self.scatters]
         closed = trace_flat(step, avals, "split_step")
         refined = self.refine_step(closed)
         return core.jaxpr_as_fun(refined)
@@ -159,6 +190,11 @@ class LoopPlan:
         step = self.step_function(chunk)
         arg_outputs = [v for v in self.carried if self._is_arg_reduced(v)]
         has_top_k = any(self._monoid_or_none(v) == "top_k" for v in self.carried)
+        scattered = [v for _, v in self.scatters]
+        values = dict(zip(self.input_vars, input_values))
+
+        def running(state):  # the scatters' running results, in self.scatters order
+            return [state[self.carried.index(v)] for v in scattered]
 
         def accumulate(state, start, partial):
             new_state = list(state)
@@ -172,7 +208,9 @@ class LoopPlan:
                                                                    start, axis)
                     continue
                 monoid = self.monoid_of(var)
-                if monoid in ELEMENTWISE_MONOIDS:
+                if var in scattered:
+                    new_state[k] = partial[k]  # the slice was scattered into the running result
+                elif monoid in ELEMENTWISE_MONOIDS:
                     new_state[k] = combine(monoid, state[k], partial[k].astype(state[k].dtype))
                 elif monoid in ("argmax", "argmin"):
                     j = n + arg_outputs.index(var)
@@ -183,23 +221,24 @@ class LoopPlan:
                     self._top_k_merge(i, state, new_state, partial)
             return new_state
 
+        operands = [self._operand_value(i, values) for i, _ in self.scatters]
         if has_top_k:
-            first = step(jnp.int32(0), *input_values)
-            state = self._initial_state(first)
+            first = step(jnp.int32(0), *input_values, *operands)
+            state = self._initial_state(first, values)
             loop_from = 1
         else:
-            state = self._initial_state(None)
+            state = self._initial_state(None, values)
             loop_from = 0
 
         def body(it, state):
             start = (it * chunk).astype(jnp.int32)
-            return accumulate(state, start, step(start, *input_values))
+            return accumulate(state, start, step(start, *input_values, *running(state)))
 
         if full > loop_from:
             state = lax.fori_loop(loop_from, full, body, state)
         if remainder:
             start = jnp.int32(full * chunk)
-            tail = self.step_function(remainder)(start, *input_values)
+            tail = self.step_function(remainder)(start, *input_values, *running(state))
             state = accumulate(state, start, tail)
         return [value.astype(var.aval.dtype) for value, var in zip(state, self.outputs)]
 
@@ -209,15 +248,24 @@ class LoopPlan:
     def _is_arg_reduced(self, var) -> bool:
         return self._monoid_or_none(var) in ("argmax", "argmin")
 
-    def _initial_state(self, first) -> list:
-        """Buffers for axis outputs, identities for accumulators; the first step's values if given."""
+    def _operand_value(self, i: int, values: dict):
+        atom = self.jaxpr.eqns[i].invars[0]
+        return atom.val if isinstance(atom, core.Literal) else values[atom]
+
+    def _initial_state(self, first, values: dict) -> list:
+        """Buffers for axis outputs, identities for accumulators, a scatter's operand for its running
+        result; the first step's values if given."""
         state = []
+        scatter_of = {v: i for i, v in self.scatters}
         for k, var in enumerate(self.carried):
             aval = var.aval
+            if var in scatter_of and first is None:
+                state.append(jnp.asarray(self._operand_value(scatter_of[var], values), aval.dtype))
+                continue
             if first is not None and self._monoid_or_none(var) is not None:
                 monoid = self._monoid_or_none(var)
-                state.append(first[k].astype(_accumulator_dtype(monoid, aval.dtype)) if monoid in ELEMENTWISE_MONOIDS
-                             else first[k])
+                state.append(first[k].astype(_accumulator_dtype(monoid, aval.dtype))
+                             if monoid in ELEMENTWISE_MONOIDS and var not in scatter_of else first[k])
                 continue
             if self.output_axis(var) is not None:
                 buf = jnp.zeros(aval.shape, aval.dtype)
@@ -245,16 +293,38 @@ class LoopPlan:
         eqn = self.jaxpr.eqns[i]
         slots = [self.carried.index(v) if v in self.carried else None for v in eqn.outvars]
         axis = eqn.params.get("axis", len(eqn.outvars[0].aval.shape) - 1)
-        values = jnp.concatenate([state[slots[0]], partial[slots[0]]], axis=axis)
+        values = _positive_nan(jnp.concatenate([state[slots[0]], partial[slots[0]]], axis=axis))
         indices = jnp.concatenate([state[slots[1]], partial[slots[1]]], axis=axis)
         best, where = bind_equation(eqn, [values])
         new_state[slots[0]] = best
         new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
 
 
+#: Reductions whose floating results follow IEEE-754 maximum/minimum (NaN wins), whatever kernel
+#: XLA picks for one slice (XLA:CPU's YNNPACK reductions skip NaN in large inputs, its own do not).
+NAN_PROPAGATING = ("reduce_max", "reduce_min")
+
+
+def _propagate_nan(operand, reduced, axes):
+    has_nan = lax.reduce_or(lax.ne(operand, operand), tuple(axes))
+    return lax.select(has_nan, lax.full_like(reduced, jnp.nan), reduced)
+
+
+def _positive_nan(values):
+    """``values`` with every NaN made positive: ``top_k`` ranks NaN above every number whatever its sign
+    (which XLA's kernels do not keep consistently), earlier index first."""
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        return values
+    return lax.select(lax.ne(values, values), lax.full_like(values, jnp.nan), values)
+
+
+def _is_low_float(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
 def _accumulator_dtype(monoid: str, dtype):
     """Sums and products of 16-bit floats accumulate across slices in float32 (as XLA does within one)."""
-    if monoid in ("add", "mul") and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    if monoid in ("add", "mul") and _is_low_float(dtype):
         return jnp.float32
     return dtype
 

@@ -2,7 +2,7 @@
 
 A *region* is a set of equations of one jaxpr level that can be recomputed on
 slices of one iteration dimension (a *split axis*). It is grown from a seed,
-a reducing equation (``dot_general``, ``reduce_*``, ``argmax``/``argmin``,
+a size-reducing equation (``dot_general``, ``reduce_*``, ``argmax``/``argmin``,
 ``top_k``...) whose operand is larger than the threshold:
 
 * backwards, through the producers of every operand larger than the split
@@ -34,10 +34,11 @@ from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 
-from .rules import DimMap, dim_map
+from .rules import SCATTER_MONOIDS, DimMap, dim_map
 
 #: Primitives a region may start from.
-SEED_PRIMITIVES = frozenset({"dot_general", "top_k", *REDUCTIONS, *ARG_REDUCTIONS, *CUMULATIVE})
+SEED_PRIMITIVES = frozenset({"dot_general", "top_k", "triangular_solve", "gather", "slice", "dynamic_slice",
+                             *SCATTER_MONOIDS, *REDUCTIONS, *ARG_REDUCTIONS, *CUMULATIVE})
 
 
 #: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
@@ -288,17 +289,11 @@ class _Grower:
     def _between(self, region: SplitRegion) -> list[int]:
         """Equations outside ``region`` on a path that leaves it and re-enters."""
         graph = self.graph.graph
-        out = set()
-        for i in region.eqns:
-            for succ in graph.successors(i):
-                if succ not in region.eqns:
-                    out.add(succ)
-                    out |= self.graph.descendants(succ)
-        if not out:
+        leaving = {succ for i in region.eqns for succ in graph.successors(i) if succ not in region.eqns}
+        if not leaving:
             return []
-        back = set()
-        for i in region.eqns:
-            back |= self.graph.ancestors(i)
+        out = _reachable(leaving, graph.successors)       # one search from all of them, not one per node
+        back = _reachable(region.eqns, graph.predecessors)
         return sorted((out & back) - region.eqns)
 
     def _check(self, region: SplitRegion) -> None:
@@ -310,6 +305,18 @@ class _Grower:
                         raise Infeasible(i, "needs a value reduced over the split axis (that would take two passes)")
                     if have != want:
                         raise Infeasible(i, "reads a region value along another axis")
+
+
+def _reachable(starts, step) -> set[int]:
+    """``starts`` and every node reachable from them by ``step`` (successors or predecessors)."""
+    seen = set(starts)
+    stack = list(starts)
+    while stack:
+        for nxt in step(stack.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
 
 
 def grow_region(jaxpr: core.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int) -> SplitRegion:

@@ -10,10 +10,15 @@ dimension...). A label present in operands but absent from every result is
 computed on slices (``add`` for sums and contractions, ``max``, ``argmax``,
 ``top_k``...).
 
+A scatter's reduced label (its indices run along the split axis) names the
+scatter's own monoid; the loop then carries the scatter's result instead of
+combining partial results (see :mod:`.emit`).
+
 ``chunk_params(eqn, out_shapes)`` gives the parameters an equation needs when
 its results have the (smaller) ``out_shapes``: the shape parameters of
-``broadcast_in_dim``, ``reshape``, ``iota`` and ``slice``. Primitives missing
-from :data:`AXIS_RULES` stop a split region (the report names them).
+``broadcast_in_dim``, ``reshape``, ``iota``, ``slice``, ``gather`` and
+``dynamic_slice``. Primitives missing from :data:`AXIS_RULES` stop a split
+region (the report names them).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Hashable
 
+import numpy as np
 from jax._src import core
 
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS, dot_general_labels
@@ -100,14 +106,23 @@ def _reduction(eqn) -> DimMap:
     in_labels = [("reduced", d) if d in axes else d for d in range(rank)]
     out_labels = [d for d in range(rank) if d not in axes]
     monoid = REDUCTIONS.get(eqn.primitive.name, eqn.primitive.name)  # argmax/argmin name their own monoid
+    monoid = _boolean_monoid(monoid, eqn.outvars[0].aval.dtype)
     return DimMap([in_labels], [out_labels], {("reduced", d): monoid for d in axes})
+
+
+def _boolean_monoid(monoid: str, dtype) -> str:
+    """On booleans a sum is an or and a product an and (a ``dot_general`` of bools is an or of ands)."""
+    if np.dtype(dtype) == np.bool_:
+        return {"add": "or", "mul": "and", "max": "or", "min": "and"}.get(monoid, monoid)
+    return monoid
 
 
 def _dot_general(eqn) -> DimMap:
     lhs, rhs, out = dot_general_labels(eqn.params["dimension_numbers"], len(_shape(eqn.invars[0])),
                                        len(_shape(eqn.invars[1])))
     contracted = {label for label in lhs if label[0] == "contract"}
-    return DimMap([lhs, rhs], [out], {label: "add" for label in contracted})
+    monoid = _boolean_monoid("add", eqn.outvars[0].aval.dtype)
+    return DimMap([lhs, rhs], [out], {label: monoid for label in contracted})
 
 
 def _reshape(eqn) -> DimMap:
@@ -186,6 +201,95 @@ def _rev(eqn) -> DimMap:
     return DimMap([labels], [labels])
 
 
+def _triangular_solve(eqn) -> DimMap:
+    # op(a) x = b (left side) solves each column of b on its own, x op(a) = b each row: those and the
+    # batch dimensions (shared with the factor a) are parallel; whatever lower/transpose_a/unit_diagonal.
+    rank = len(_shape(eqn.invars[1]))
+    batch = list(range(rank - 2))
+    free = rank - 1 if eqn.params["left_side"] else rank - 2
+    b_labels = [d if d in batch or d == free else None for d in range(rank)]
+    return DimMap([batch + [None, None], b_labels], [list(b_labels)])
+
+
+def _gather(eqn) -> DimMap:
+    # Parallel: the indices' batch dimensions (the axes the indices run over: result batch
+    # dimensions, with the operand's batching dimension when there is one), and operand dimensions
+    # the indexing does not touch (taken whole, not indexed: result offset dimensions). The indexed
+    # dimensions stay whole, so every index mode (clip, fill, promise) means what it meant.
+    dn = eqn.params["dimension_numbers"]
+    operand, indices = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    out_rank = len(_shape(eqn.outvars[0]))
+    op_labels: list = [None] * len(operand)
+    idx_labels: list = [None] * len(indices)
+    out_labels: list = [None] * out_rank
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    for k, out_dim in enumerate(batch_out):  # indices dimension k (the index vector is the last)
+        label = ("indices", k)
+        idx_labels[k] = out_labels[out_dim] = label
+        if k in dn.start_indices_batching_dims:
+            op_labels[dn.operand_batching_dims[list(dn.start_indices_batching_dims).index(k)]] = label
+    windows = [d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for d, out_dim in zip(windows, dn.offset_dims):
+        if eqn.params["slice_sizes"][d] == operand[d] and d not in dn.start_index_map:
+            op_labels[d] = out_labels[out_dim] = ("operand", d)
+    return DimMap([op_labels, idx_labels], [out_labels])
+
+
+def _gather_params(params, out_shapes):
+    dn = params["dimension_numbers"]
+    sizes = list(params["slice_sizes"])
+    windows = [d for d in range(len(sizes)) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for d, out_dim in zip(windows, dn.offset_dims):
+        sizes[d] = out_shapes[0][out_dim]
+    return {**params, "slice_sizes": tuple(sizes)}
+
+
+#: The monoid a scatter applies to the values it writes to one place.
+SCATTER_MONOIDS = {"scatter-add": "add", "scatter-mul": "mul", "scatter-min": "min", "scatter-max": "max",
+                   "scatter": "scatter"}
+
+
+def _scatter(eqn) -> DimMap:
+    # Parallel: operand dimensions the scatter does not index into, updated whole (shared by the
+    # operand, the updates' window dimension and the result), and batching dimensions. The updates'
+    # scatter dimensions (the axes the indices run over) are reduced: the loop carries the result
+    # and applies the scatter of each slice of indices and updates to it, in order.
+    dn = eqn.params["dimension_numbers"]
+    operand, indices, updates = (_shape(a) for a in eqn.invars[:3])
+    op_labels: list = [None] * len(operand)
+    idx_labels: list = [None] * len(indices)
+    upd_labels: list = [None] * len(updates)
+    reduced = {}
+    scatter_dims = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+    for k, upd_dim in enumerate(scatter_dims):  # indices dimension k (the index vector is the last)
+        if k in dn.scatter_indices_batching_dims:
+            label = ("indices", k)
+            op_labels[dn.operand_batching_dims[list(dn.scatter_indices_batching_dims).index(k)]] = label
+        else:
+            label = ("reduced", k)
+            reduced[label] = SCATTER_MONOIDS[eqn.primitive.name]
+        idx_labels[k] = upd_labels[upd_dim] = label
+    windows = [d for d in range(len(operand)) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    for d, upd_dim in zip(windows, dn.update_window_dims):
+        if updates[upd_dim] == operand[d] and d not in dn.scatter_dims_to_operand_dims:
+            op_labels[d] = upd_labels[upd_dim] = ("operand", d)
+    return DimMap([op_labels, idx_labels, upd_labels], [list(op_labels)], reduced)
+
+
+def _dynamic_slice(eqn) -> DimMap:
+    # Dimensions taken whole (their start is clamped to 0) are parallel.
+    operand = _shape(eqn.invars[0])
+    labels = [d if eqn.params["slice_sizes"][d] == operand[d] else None for d in range(len(operand))]
+    return DimMap([labels] + [[] for _ in eqn.invars[1:]], [list(labels)])
+
+
+def _dynamic_update_slice(eqn) -> DimMap:
+    # Dimensions the update covers whole (their start is clamped to 0) are parallel.
+    operand, update = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    labels = [d if update[d] == operand[d] else None for d in range(len(operand))]
+    return DimMap([labels, list(labels)] + [[] for _ in eqn.invars[2:]], [list(labels)])
+
+
 AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
     **{name: _elementwise for name in ELEMENTWISE},
     **{name: _reduction for name in (*REDUCTIONS, *ARG_REDUCTIONS)},
@@ -201,6 +305,11 @@ AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
     "pad": _pad,
     "slice": _slice,
     "rev": _rev,
+    "triangular_solve": _triangular_solve,
+    "gather": _gather,
+    **{name: _scatter for name in SCATTER_MONOIDS},
+    "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
 }
 
 
@@ -221,12 +330,25 @@ def _with_shape(key):
 
 
 def _slice_params(params, out_shapes):
-    limits = [start + size for start, size in zip(params["start_indices"], out_shapes[0])]
-    return {**params, "limit_indices": tuple(limits)}
+    # Only dimensions the rule labels (whole, stride 1) are sliced; every other dimension keeps its
+    # start, limit and stride (a strided dimension's result length is not limit - start).
+    starts, limits = params["start_indices"], params["limit_indices"]
+    strides = params.get("strides") or (1,) * len(starts)
+    new_limits = []
+    for start, limit, stride, size in zip(starts, limits, strides, out_shapes[0]):
+        whole = -(-(limit - start) // stride)
+        new_limits.append(limit if size == whole else start + size)
+    return {**params, "limit_indices": tuple(new_limits)}
+
+
+def _dynamic_slice_params(params, out_shapes):
+    return {**params, "slice_sizes": tuple(out_shapes[0])}
 
 
 CHUNK_PARAMS: dict[str, Callable[[dict, list[tuple[int, ...]]], dict]] = {
     "broadcast_in_dim": _with_shape("shape"),
+    "gather": _gather_params,
+    "dynamic_slice": _dynamic_slice_params,
     "iota": _with_shape("shape"),
     "reshape": _with_shape("new_sizes"),
     "slice": _slice_params,

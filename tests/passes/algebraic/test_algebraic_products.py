@@ -43,6 +43,7 @@ PRODUCT_SHAPES = {"square": ((23, 23), (23, 23)), "rectangular": ((29, 5), (5, 2
     ("diagonal_of_product", lambda a, b: jnp.diagonal(a @ b)),
     ("trace_of_product", lambda a, b: jnp.trace(a @ b)),
     ("trace_of_product", lambda a, b: jnp.sum(jnp.eye(a.shape[0], dtype=a.dtype) * (a @ b))),
+    ("trace_of_product", lambda a, b: jnp.sum(jnp.where(jnp.eye(a.shape[0], dtype=bool), a @ b, 0))),
 ])
 def test_diag_and_trace_skip_the_product(kind, fun, shapes, dtype):
     with precision(dtype):

@@ -164,19 +164,24 @@ PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
 
 @pytest.mark.slow
 @PROPERTY_SETTINGS
-@given(chain=chains(), seed=st.integers(0, 2**16))
-def test_emitted_order_is_optimal_and_values_match(chain, seed):
+@given(chain=chains(), seed=st.integers(0, 2**16), min_gain=st.sampled_from([1.0, 1.25, 3.0]))
+def test_emitted_order_is_optimal_and_values_match(chain, seed, min_gain):
+    """The optimum is emitted when it cuts the written multiply-adds by ``min_gain``; otherwise
+    the order as written stays (and the report says so when some order was cheaper)."""
     fun = chain_function(chain)
     with jax.enable_x64(True):
         factors = make_factors(chain, seed)
-        hfun = hlopass.jit(fun, passes="matrix_chain", threshold="off")
+        hfun = hlopass.jit(fun, passes="matrix_chain", threshold="off", min_gain=min_gain)
         traced = hfun.trace(*factors)
         optimum = brute_force_optimum(chain)
         written = tree_cost(chain, chain.tree)[0]
-        assert emitted_multiply_adds(traced.rewritten_jaxpr) == optimum
+        pays = optimum < written and optimum * min_gain <= written
+        assert emitted_multiply_adds(traced.rewritten_jaxpr) == (optimum if pays else written)
         rewrites = [r for r in traced.report.rewrites if r.pass_name == "matrix_chain"]
-        assert len(rewrites) == (1 if optimum < written else 0)
-        event("reordered" if rewrites else "already optimal")
+        assert len(rewrites) == (1 if pays else 0)
+        small_gain = [s for s in traced.report.skipped if "minimum gain" in s.reason]
+        assert len(small_gain) == (1 if optimum < written and not pays else 0)
+        event("reordered" if rewrites else "left for a small gain" if small_gain else "already optimal")
         event(f"batch={chain.batch}, vector ends={chain.left_vector + chain.right_vector}")
         event(f"{chain.k} factors")
         if rewrites:
@@ -199,7 +204,7 @@ def test_threshold_respected_whenever_some_order_fits(chain, fraction):
     limit = max(1, peaks[int(fraction * (len(peaks) - 1))])  # an achievable limit, in float32 elements
     with jax.enable_x64(False):
         factors = [f.astype(np.float32) for f in make_factors(chain, 0)]
-        traced = hlopass.jit(fun, passes="matrix_chain", threshold=4 * limit).trace(*factors)
+        traced = hlopass.jit(fun, passes="matrix_chain", threshold=4 * limit, min_gain=1).trace(*factors)
     assert emitted_peak(traced.rewritten_jaxpr) <= limit
     assert emitted_multiply_adds(traced.rewritten_jaxpr) == brute_force_optimum(chain, limit)
 

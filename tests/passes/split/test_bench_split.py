@@ -19,3 +19,18 @@ def test_bench_split_tiny(tmp_path):
     for row in rows:
         assert row["split_err"] < 1e-4 and row["map_err"] < 1e-4, row
         assert row["split_temp"] < row["jit_temp"], row
+
+
+def test_bench_gp_tiny(tmp_path):
+    """tools/bench_gp.py at tiny sizes: children run, the table prints, the bounds hold."""
+    out = tmp_path / "gp.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gp.py"), "--tiny", "--programs",
+                           "gather,class_sums", "--passes", "split", "--json", str(out)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| gather |" in proc.stdout and "| class_sums |" in proc.stdout
+    rows = json.loads(out.read_text())
+    ours = [r for r in rows if r["column"] == "hlopass"]
+    assert len(ours) == 2 and all(r["status"] == "ok" and r["rewrites"] for r in ours), ours
+    for row in ours:
+        assert row["largest_tensor_bytes"] <= 1.5 * row["threshold"], row

@@ -1,0 +1,140 @@
+"""Recomputing a large value once per stage of its consumers, so that each stage can be split alone.
+
+A large value read by several equations joins them in one region. That fails when
+one reader needs what another computes only after a reduction over the whole
+value: the collapsed SGPR bound's ``A = L⁻¹ Kuf`` is reduced to ``A Aᵀ`` and its
+gradient then multiplies ``A`` again by a matrix made from that sum; Sinkhorn's
+cost matrix is reduced along rows for ``f`` and then read along columns with
+``f``. One loop cannot do both ("that would take two passes").
+
+:func:`recompute_for_later_stages` rewrites the jaxpr so that every *stage* of readers
+reads its own copy of the value, computed again from the same small inputs:
+a reader's stage is the number of reductions behind the values its chain of
+large results meets (see :class:`_Stages`), and the copy is made of the
+equations between the value and its small inputs (all with split rules, no
+effects). Each copy then belongs to its own region and loop: two passes, each
+within the split size. Values that are program outputs are left alone.
+"""
+
+from __future__ import annotations
+
+from jax._src import core
+
+from hlopass.graph import DataflowGraph
+from hlopass.jaxpr_utils import aval_nbytes, dce
+
+from .rules import dim_map
+
+
+def staged_values(jaxpr: core.Jaxpr, large: int) -> list[core.Var]:
+    """Large values (over ``large`` bytes, not program outputs) read in more than one stage and
+    recomputable from small values, in program order."""
+    graph = DataflowGraph(jaxpr)
+    stages = _Stages(jaxpr, graph, large)
+    found = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        for var in eqn.outvars:
+            if isinstance(var, core.DropVar) or aval_nbytes(var.aval) <= large or graph.is_output(var):
+                continue
+            if stages.later_readers(var) and _cone(jaxpr, graph, i, large) is not None:
+                found.append(var)
+    return found
+
+
+def recompute_for_later_stages(closed: core.ClosedJaxpr, var: core.Var, large: int) -> core.ClosedJaxpr:
+    """``closed`` where the readers of ``var`` in later stages read a copy computed again (one copy per
+    further stage)."""
+    jaxpr = closed.jaxpr
+    for _ in range(len(jaxpr.eqns)):
+        graph = DataflowGraph(jaxpr)
+        if var not in graph.producer:
+            break
+        later = _Stages(jaxpr, graph, large).later_readers(var)
+        cone = _cone(jaxpr, graph, graph.producer[var], large) if later else None
+        if cone is None:
+            break
+        jaxpr, var = _with_copy(jaxpr, cone, later, var)
+    if jaxpr is closed.jaxpr:
+        return closed
+    return dce(core.ClosedJaxpr(jaxpr, closed.consts))
+
+
+class _Stages:
+    """Stages of a jaxpr's equations.
+
+    A value's *level* counts the reductions of large values behind it: an equation that reads a
+    large value and defines only small ones (a reduction) adds one. A reader of a large value works
+    at the highest level of the values its chain of large results meets (the equations a region
+    grown from it would take in); readers at different levels are different stages.
+    """
+
+    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, large: int):
+        self.jaxpr, self.graph, self.large = jaxpr, graph, large
+        self.level: dict = {}
+        for eqn in jaxpr.eqns:
+            here = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
+            reduces = any(self._large(a) for a in eqn.invars) and not any(self._large(v) for v in eqn.outvars)
+            for var in eqn.outvars:
+                self.level[var] = here + 1 if reduces else here
+        # The highest level met by each equation and, transitively, by the readers of its large results
+        # (equations are in dependency order, so readers come later: one backward sweep).
+        self.meets: list[int] = [0] * len(jaxpr.eqns)
+        for i in reversed(range(len(jaxpr.eqns))):
+            eqn = jaxpr.eqns[i]
+            best = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
+            for var in eqn.outvars:
+                if self._large(var):
+                    best = max([best] + [self.meets[j] for j in graph.uses(var)])
+            self.meets[i] = best
+
+    def _large(self, atom) -> bool:
+        return isinstance(atom, core.Var) and aval_nbytes(atom.aval) > self.large
+
+    def later_readers(self, var) -> list[int]:
+        """Readers of ``var`` in a later stage than its first."""
+        readers = sorted(set(self.graph.uses(var)))
+        if len(readers) < 2:
+            return []
+        stage = {j: self.meets[j] for j in readers}
+        first = min(stage.values())
+        return [j for j in readers if stage[j] > first]
+
+
+def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[int] | None:
+    """Equations computing the outputs of equation ``i`` back to small values (``None`` if one of
+    them cannot be recomputed: no split rule, or effects)."""
+    cone, stack = set(), [i]
+    while stack:
+        j = stack.pop()
+        if j in cone:
+            continue
+        eqn = jaxpr.eqns[j]
+        if eqn.effects or dim_map(eqn) is None:
+            return None
+        cone.add(j)
+        for atom in eqn.invars:
+            if isinstance(atom, core.Var) and aval_nbytes(atom.aval) > large and atom in graph.producer:
+                stack.append(graph.producer[atom])
+    return sorted(cone)
+
+
+def _with_copy(jaxpr: core.Jaxpr, cone: list[int], later: list[int], var: core.Var):
+    """``jaxpr`` where the ``later`` readers read a fresh copy of the ``cone`` equations' results,
+    placed just before the first of them; and the copy of ``var``."""
+    rename: dict = {}
+    copies = []
+    for j in cone:
+        eqn = jaxpr.eqns[j]
+        outvars = [v if isinstance(v, core.DropVar) else core.Var(v.aval) for v in eqn.outvars]
+        rename.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, core.DropVar))
+        invars = [rename.get(a, a) if isinstance(a, core.Var) else a for a in eqn.invars]
+        copies.append(eqn.replace(invars=invars, outvars=outvars))
+    later_set, first = set(later), min(later)
+    eqns = []
+    for k, eqn in enumerate(jaxpr.eqns):
+        if k == first:
+            eqns.extend(copies)
+        if k in later_set:
+            eqn = eqn.replace(invars=[rename.get(a, a) if isinstance(a, core.Var) else a for a in eqn.invars])
+        eqns.append(eqn)
+    return jaxpr.replace(eqns=eqns), rename[var]

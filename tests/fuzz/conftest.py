@@ -1,0 +1,10 @@
+"""Print the fuzzer's counts (programs, rewrites fired, exclusions, seeds) at the end of the run."""
+
+from tests.fuzz import runner
+
+
+def pytest_terminal_summary(terminalreporter):
+    if runner.SUMMARY_LINES:
+        terminalreporter.write_sep("-", "differential fuzzer")
+        for line in runner.SUMMARY_LINES:
+            terminalreporter.write_line(line)

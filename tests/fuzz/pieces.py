@@ -1,0 +1,571 @@
+"""The fuzzer's vocabulary: program pieces by role, in tables new rules plug into.
+
+A random program (see :mod:`tests.fuzz.programs`) is a pipeline of pieces:
+
+    small inputs ─[input]*─▶ x, y ─[expand]─▶ A (large) ─[map]*─▶ A ─[reduce]─▶ out ─[post]*─▶ out
+
+wrapped by at most one ``wrap`` piece. ``expand`` builds a tensor larger than the threshold from small
+inputs, ``map`` pieces keep it large, ``reduce`` makes it small again: the shape every pass looks for
+(a split region, an expanded distance, a product chain). ``input`` pieces act on the small operands
+before they meet, ``post`` pieces on the small result.
+
+Adding a primitive is adding an entry: decorate a maker with ``@piece(role, name, ...)``. A maker is
+called at build time with a :class:`~tests.fuzz.programs.Draw` ``r`` (all randomness goes through it),
+the program's :class:`~tests.fuzz.programs.Ctx` ``c`` (``c.input(shape)`` adds an input, ``c.dtype``,
+``c.is_float``) and the abstract value it acts on; it returns ``(fn, description)`` where ``fn`` is
+called at trace time: ``fn(value, args)`` (``expand``: ``fn(x, y, args)``; ``reduce`` returns a tuple
+whose first element is the main result, the others pass through unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+WIDE_FLOATS = frozenset({"float32", "float64"})  # LAPACK-backed pieces
+ALL = FLOATS | {"int32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One entry of a role's table."""
+
+    role: str                   # input | expand | map | reduce | post | wrap
+    name: str
+    make: Callable
+    dtypes: frozenset = ALL
+    ranks: tuple = (1, 2, 3)    # ranks of the value it accepts (expand: unused)
+    exact: bool = True          # keeps grid inputs exact (no transcendentals): index outputs then tie exactly
+    indices: bool = False       # produces index outputs (compared exactly)
+    weight: float = 1.0         # relative frequency within its role
+
+
+PIECES: dict[str, dict[str, Piece]] = {r: {} for r in ("input", "expand", "map", "reduce", "post", "wrap")}
+
+
+def piece(role: str, name: str, **meta):
+    """Register ``make`` as the piece ``role:name``."""
+    def register(make):
+        PIECES[role][name] = Piece(role, name, make, **meta)
+        return make
+    return register
+
+
+def _axis(r, rank: int) -> int:
+    return r.integer(0, rank - 1) if rank else 0
+
+
+def _consts(c, value):
+    return jnp.asarray(value, c.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- input
+@piece("input", "strided_rows")
+def _strided_rows(r, c, aval):
+    start, step = r.integer(0, 2), r.choice([2, 3])
+    return (lambda v, a: v[start::step]), f"v[{start}::{step}]"
+
+
+@piece("input", "pad")
+def _pad(r, c, aval):
+    lo, hi = r.integer(0, 3), r.integer(0, 3)
+    return (lambda v, a: jnp.pad(v, [(lo, hi)] + [(0, 0)] * (v.ndim - 1))), f"pad({lo},{hi})"
+
+
+@piece("input", "concat")
+def _concat(r, c, aval):
+    k = r.integer(1, 5)
+    return (lambda v, a: jnp.concatenate([v, v[:k] * 2], 0)), f"concat(v, 2*v[:{k}])"
+
+
+@piece("input", "take")
+def _take(r, c, aval):
+    n = aval.shape[0]
+    if n == 0:
+        return (lambda v, a: v), "identity"
+    rows = r.integer(1, max(1, 2 * n))
+    idx = c.input((rows,), kind="index", high=n)
+    return (lambda v, a: v[a[idx]]), f"v[idx({rows})]"
+
+
+@piece("input", "scatter_add")
+def _scatter_add(r, c, aval):
+    n = aval.shape[0]
+    if n == 0:
+        return (lambda v, a: v), "identity"
+    k = r.integer(1, 6)
+    idx = c.input((k,), kind="index", high=n)
+    upd = c.input((k,) + tuple(aval.shape[1:]))
+    return (lambda v, a: v.at[a[idx]].add(a[upd])), f"v.at[idx({k})].add(u)"
+
+
+@piece("input", "sort")
+def _sort_rows(r, c, aval):
+    return (lambda v, a: jnp.sort(v, axis=0)), "sort(v, 0)"
+
+
+@piece("input", "cumsum")
+def _cumsum_rows(r, c, aval):
+    return (lambda v, a: jnp.cumsum(v, axis=0, dtype=v.dtype)), "cumsum(v, 0)"
+
+
+@piece("input", "reverse_transpose")
+def _reverse_transpose(r, c, aval):
+    return (lambda v, a: v[::-1].T.T), "v[::-1].T.T"
+
+
+# --------------------------------------------------------------------------------------------- expand
+# x: (n, d), y: (m, d) -> A with axes (n, m) or (n, m, d)
+@piece("expand", "diff", weight=2)
+def _diff(r, c, xa, ya):
+    return (lambda x, y, a: x[:, None, :] - y[None]), "x[:,None]-y[None]"
+
+
+@piece("expand", "sum")
+def _sum(r, c, xa, ya):
+    return (lambda x, y, a: x[:, None, :] + y[None]), "x[:,None]+y[None]"
+
+
+@piece("expand", "product")
+def _product(r, c, xa, ya):
+    return (lambda x, y, a: x[:, None, :] * y[None]), "x[:,None]*y[None]"
+
+
+@piece("expand", "sqdist", weight=2)
+def _sqdist(r, c, xa, ya):
+    return (lambda x, y, a: jnp.sum((x[:, None, :] - y[None]) ** 2, -1)), "sum((x[:,None]-y[None])**2,-1)"
+
+
+@piece("expand", "l1")
+def _l1(r, c, xa, ya):
+    return (lambda x, y, a: jnp.sum(jnp.abs(x[:, None, :] - y[None]), -1)), "sum(|x[:,None]-y[None]|,-1)"
+
+
+@piece("expand", "dot", weight=2)
+def _dot(r, c, xa, ya):
+    return (lambda x, y, a: x @ y.T), "x@y.T"
+
+
+@piece("expand", "einsum")
+def _einsum(r, c, xa, ya):
+    spec = r.choice(["nd,md->nm", "nd,md->mn", "nd,md->nmd"])
+    return (lambda x, y, a: jnp.einsum(spec, x, y)), f"einsum('{spec}')"
+
+
+@piece("expand", "kernel", dtypes=FLOATS, exact=False)
+def _kernel(r, c, xa, ya):
+    return (lambda x, y, a: jnp.exp(-0.5 * jnp.sum((x[:, None, :] - y[None]) ** 2, -1))), "exp(-sqdist/2)"
+
+
+@piece("expand", "outer")
+def _outer(r, c, xa, ya):
+    return (lambda x, y, a: jnp.sum(x, 1)[:, None] * jnp.sum(y, 1)[None]), "sum(x,1)[:,None]*sum(y,1)[None]"
+
+
+# ------------------------------------------------------------------------------------------------ map
+@piece("map", "sin", dtypes=FLOATS, exact=False)
+def _sin(r, c, aval):
+    return (lambda v, a: jnp.sin(v)), "sin"
+
+
+@piece("map", "tanh", dtypes=FLOATS, exact=False)
+def _tanh(r, c, aval):
+    return (lambda v, a: jnp.tanh(v)), "tanh"
+
+
+@piece("map", "gauss", dtypes=FLOATS, exact=False)
+def _gauss(r, c, aval):
+    return (lambda v, a: jnp.exp(-0.5 * v * v)), "exp(-v*v/2)"
+
+
+@piece("map", "softplus", dtypes=FLOATS, exact=False)
+def _softplus(r, c, aval):
+    return (lambda v, a: jax.nn.softplus(v)), "softplus"
+
+
+@piece("map", "relu")
+def _relu(r, c, aval):
+    return (lambda v, a: jnp.maximum(v, 0)), "maximum(v,0)"
+
+
+@piece("map", "leaky_where")
+def _leaky(r, c, aval):
+    return (lambda v, a: jnp.where(v > 0, v, -2 * v)), "where(v>0,v,-2v)"
+
+
+@piece("map", "square", weight=1.5)
+def _square(r, c, aval):
+    return (lambda v, a: v * v), "v*v"
+
+
+@piece("map", "abs")
+def _abs(r, c, aval):
+    return (lambda v, a: jnp.abs(v)), "abs"
+
+
+@piece("map", "clip")
+def _clip(r, c, aval):
+    return (lambda v, a: jnp.clip(v, -1, 2)), "clip(-1,2)"
+
+
+@piece("map", "affine")
+def _affine(r, c, aval):
+    s, t = r.choice([2, -1, 3]), r.choice([0, 1, -2])
+    return (lambda v, a: v * s + t), f"{s}*v+{t}"
+
+
+@piece("map", "cube", dtypes=FLOATS | {"int32"})
+def _cube(r, c, aval):
+    return (lambda v, a: lax.integer_pow(v, 3)), "v**3"
+
+
+@piece("map", "diag_mask")
+def _diag_mask(r, c, aval):
+    def fn(v, a):
+        eye = lax.broadcasted_iota(jnp.int32, v.shape, 0) == lax.broadcasted_iota(jnp.int32, v.shape, 1)
+        return jnp.where(eye, jnp.zeros((), v.dtype), v)
+    return fn, "where(i==j,0,v)"
+
+
+@piece("map", "nan_guard", dtypes=FLOATS)
+def _nan_guard(r, c, aval):
+    return (lambda v, a: jnp.where(jnp.isnan(v), jnp.zeros((), v.dtype), v)), "where(isnan(v),0,v)"
+
+
+@piece("map", "safe_sqrt", dtypes=FLOATS, exact=False)
+def _safe_sqrt(r, c, aval):
+    def fn(v, a):
+        pos = v > 0
+        return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1)), 0)
+    return fn, "where(v>0,sqrt(where(v>0,v,1)),0)"
+
+
+@piece("map", "widen", dtypes=FLOATS - {"float64"})
+def _widen(r, c, aval):
+    return (lambda v, a: (v.astype(jnp.float32) * 2).astype(v.dtype)), "(f32(v)*2).astype"
+
+
+@piece("map", "swap01", ranks=(2, 3))
+def _swap01(r, c, aval):
+    return (lambda v, a: jnp.swapaxes(v, 0, 1)), "swapaxes(0,1)"
+
+
+@piece("map", "strided", ranks=(2, 3), weight=0.5)
+def _strided_map(r, c, aval):
+    axis, step = _axis(r, 2), r.choice([2, 3])
+    return (lambda v, a: lax.slice_in_dim(v, 0, v.shape[axis], step, axis)), f"v[::{step}] on axis {axis}"
+
+
+@piece("map", "gather_cols", ranks=(2, 3), weight=0.5)
+def _gather_cols(r, c, aval):
+    m = aval.shape[1]
+    if m == 0:
+        return (lambda v, a: v), "identity"
+    k = r.integer(1, m)
+    idx = c.input((k,), kind="index", high=m)
+    return (lambda v, a: v[:, a[idx]]), f"v[:, idx({k})]"
+
+
+@piece("map", "cumsum_last", ranks=(2, 3), weight=0.5)
+def _cumsum_last(r, c, aval):
+    return (lambda v, a: jnp.cumsum(v, axis=-1, dtype=v.dtype)), "cumsum(v,-1)"
+
+
+@piece("map", "scale_cols", ranks=(2, 3))
+def _scale_cols(r, c, aval):
+    w = c.input(aval.shape[1:2])
+    extra = (None,) * (len(aval.shape) - 2)
+    return (lambda v, a: v * a[w][(None, slice(None)) + extra]), "v*w[None,:]"
+
+
+# --------------------------------------------------------------------------------------------- reduce
+@piece("reduce", "sum", weight=3)
+def _rsum(r, c, aval):
+    axis = r.choice([None] + list(range(len(aval.shape))))
+    return (lambda v, a: (jnp.sum(v, axis=axis),)), f"sum(axis={axis})"
+
+
+@piece("reduce", "mean", dtypes=FLOATS)
+def _rmean(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    return (lambda v, a: (jnp.mean(v, axis=axis),)), f"mean(axis={axis})"
+
+
+@piece("reduce", "max", weight=1.5)
+def _rmax(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    return (lambda v, a: (jnp.max(v, axis=axis, initial=None) if v.shape[axis] else jnp.sum(v, axis=axis),)), \
+        f"max(axis={axis})"
+
+
+@piece("reduce", "min")
+def _rmin(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    return (lambda v, a: (jnp.min(v, axis=axis) if v.shape[axis] else jnp.sum(v, axis=axis),)), f"min(axis={axis})"
+
+
+@piece("reduce", "argmax", indices=True)
+def _rargmax(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    op = r.choice(["argmax", "argmin"])
+    f = getattr(jnp, op)
+    return (lambda v, a: (f(v, axis=axis),) if v.shape[axis] else (jnp.sum(v, axis=axis),)), f"{op}(axis={axis})"
+
+
+@piece("reduce", "top_k", indices=True)
+def _rtop_k(r, c, aval):
+    k = r.integer(1, 4)
+    def fn(v, a):
+        kk = min(k, v.shape[-1])
+        return lax.top_k(v, kk) if kk else (jnp.sum(v, -1),)
+    return fn, f"top_k({k})"
+
+
+@piece("reduce", "logsumexp", dtypes=FLOATS, exact=False)
+def _rlse(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    return (lambda v, a: (jax.nn.logsumexp(v, axis=axis),)), f"logsumexp(axis={axis})"
+
+
+@piece("reduce", "softmax_matvec", dtypes=FLOATS, ranks=(2,), exact=False)
+def _rsoftmax(r, c, aval):
+    w = c.input(aval.shape[1:2])
+    return (lambda v, a: (jax.nn.softmax(v, axis=-1) @ a[w],)), "softmax(v,-1)@w"
+
+
+@piece("reduce", "matvec", ranks=(2, 3), weight=2)
+def _rmatvec(r, c, aval):
+    w = c.input(aval.shape[-1:])
+    return (lambda v, a: (v @ a[w],)), "v@w"
+
+
+@piece("reduce", "vecmat", ranks=(2, 3))
+def _rvecmat(r, c, aval):
+    w = c.input(aval.shape[:1])
+    return (lambda v, a: (jnp.tensordot(a[w], v, axes=(0, 0)),)), "tensordot(w,v,0)"
+
+
+@piece("reduce", "matmat", ranks=(2,))
+def _rmatmat(r, c, aval):
+    k = r.integer(1, 3)
+    w = c.input((aval.shape[1], k))
+    return (lambda v, a: (v @ a[w],)), f"v@W(.,{k})"
+
+
+@piece("reduce", "count", weight=0.5)
+def _rcount(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    op = r.choice(["any", "all", "count"])
+    def fn(v, a):
+        pos = v > 0
+        if op == "count":
+            return (jnp.sum(pos, axis=axis, dtype=jnp.int32),)
+        return (getattr(jnp, op)(pos, axis=axis).astype(jnp.int32),)
+    return fn, f"{op}(v>0, axis={axis})"
+
+
+@piece("reduce", "cumsum_other", ranks=(2,), weight=0.5)
+def _rcumsum_other(r, c, aval):
+    return (lambda v, a: (jnp.sum(jnp.cumsum(v, axis=1, dtype=v.dtype), axis=1),)), "sum(cumsum(v,1),1)"
+
+
+@piece("reduce", "var", dtypes=WIDE_FLOATS, exact=False, weight=0.5)
+def _rvar(r, c, aval):
+    axis = _axis(r, len(aval.shape))
+    return (lambda v, a: (jnp.var(v, axis=axis),)), f"var(axis={axis})"
+
+
+# ----------------------------------------------------------------------------------------------- post
+@piece("post", "strided_slice")
+def _pstrided(r, c, aval):
+    step = r.choice([2, 3])
+    return (lambda v, a: v[::step]), f"out[::{step}]"
+
+
+@piece("post", "transpose", ranks=(2, 3))
+def _ptranspose(r, c, aval):
+    return (lambda v, a: v.T), "out.T"
+
+
+@piece("post", "reshape")
+def _preshape(r, c, aval):
+    return (lambda v, a: v.reshape(-1)), "out.reshape(-1)"
+
+
+@piece("post", "pad")
+def _ppad(r, c, aval):
+    return (lambda v, a: jnp.pad(v, [(1, 2)] + [(0, 0)] * (v.ndim - 1))), "pad(out,(1,2))"
+
+
+@piece("post", "concat")
+def _pconcat(r, c, aval):
+    return (lambda v, a: jnp.concatenate([v, -v], 0)), "concat(out,-out)"
+
+
+@piece("post", "sort")
+def _psort(r, c, aval):
+    return (lambda v, a: jnp.sort(v, axis=-1)), "sort(out,-1)"
+
+
+@piece("post", "cumsum")
+def _pcumsum(r, c, aval):
+    return (lambda v, a: jnp.cumsum(v, axis=0, dtype=v.dtype)), "cumsum(out,0)"
+
+
+@piece("post", "top_k")
+def _ptop_k(r, c, aval):
+    def fn(v, a):
+        k = min(2, v.shape[-1])
+        return lax.top_k(v, k)[0] if k else v
+    return fn, "top_k(out,2)[0]"
+
+
+@piece("post", "where")
+def _pwhere(r, c, aval):
+    return (lambda v, a: jnp.where(v > 0, v, 0)), "where(out>0,out,0)"
+
+
+@piece("post", "take")
+def _ptake(r, c, aval):
+    n = aval.shape[0]
+    if n == 0:
+        return (lambda v, a: v), "identity"
+    idx = c.input((3,), kind="index", high=n)
+    return (lambda v, a: v[a[idx]]), "out[idx(3)]"
+
+
+@piece("post", "scatter_set")
+def _pscatter(r, c, aval):
+    n = aval.shape[0]
+    if n == 0:
+        return (lambda v, a: v), "identity"
+    idx = c.input((2,), kind="index", high=n)
+    return (lambda v, a: v.at[a[idx]].set(v[0])), "out.at[idx(2)].set(out[0])"
+
+
+@piece("post", "softmax", dtypes=FLOATS, exact=False)
+def _psoftmax(r, c, aval):
+    return (lambda v, a: jax.nn.softmax(v, axis=-1)), "softmax(out,-1)"
+
+
+@piece("post", "dot_small", ranks=(1, 2))
+def _pdot(r, c, aval):
+    w = c.input((aval.shape[-1], 2))
+    return (lambda v, a: v @ a[w]), "out@W(.,2)"
+
+
+def _spd(v):
+    """A well-conditioned SPD matrix from any small result."""
+    flat = v.reshape(-1)[:48].astype(v.dtype)
+    flat = jnp.where(jnp.isfinite(flat), flat, 0)
+    n = flat.shape[0]
+    g = flat[:, None] - flat[None, :]
+    return jnp.exp(-g * g) + (1.0 + n) * jnp.eye(n, dtype=v.dtype), flat
+
+
+@piece("post", "cholesky_solve", dtypes=WIDE_FLOATS, exact=False, weight=0.7)
+def _pcholesky(r, c, aval):
+    def fn(v, a):
+        k, b = _spd(v)
+        if b.shape[0] == 0:
+            return v
+        chol = jnp.linalg.cholesky(k)
+        z = lax.linalg.triangular_solve(chol, b[:, None], left_side=True, lower=True)
+        return lax.linalg.triangular_solve(chol, z, left_side=True, lower=True, transpose_a=True)[:, 0]
+    return fn, "cholesky+triangular_solve"
+
+
+@piece("post", "solve_triangular", dtypes=WIDE_FLOATS, exact=False, weight=0.5)
+def _ptrsolve(r, c, aval):
+    lower = r.boolean()
+    def fn(v, a):
+        k, b = _spd(v)
+        if b.shape[0] == 0:
+            return v
+        t = jnp.tril(k) if lower else jnp.triu(k)
+        return jax.scipy.linalg.solve_triangular(t, b, lower=lower)
+    return fn, f"solve_triangular(lower={lower})"
+
+
+@piece("post", "linalg_solve", dtypes=WIDE_FLOATS, exact=False, weight=0.5)
+def _psolve(r, c, aval):
+    def fn(v, a):
+        k, b = _spd(v)
+        return jnp.linalg.solve(k, b) if b.shape[0] else v
+    return fn, "linalg.solve"
+
+
+# ----------------------------------------------------------------------------------------------- wrap
+# make(r, c) -> (wrap(fn) -> fn, leading batch axis added to every input or None, description)
+@piece("wrap", "vmap", weight=1.5)
+def _wvmap(r, c):
+    b = r.integer(1, 3)
+    return (lambda fn: jax.vmap(fn)), b, f"vmap(B={b})"
+
+
+@piece("wrap", "scan")
+def _wscan(r, c):
+    length = r.integer(1, 3)
+    def wrap(fn):
+        return lambda *args: lax.scan(lambda carry, xs: (carry, fn(*xs)), None, args)[1]
+    return wrap, length, f"scan(L={length})"
+
+
+@piece("wrap", "fori")
+def _wfori(r, c):
+    data = c.data_inputs()
+    def wrap(fn):
+        def loop(*args):
+            outs = jax.eval_shape(fn, *args)
+            def body(i, carry):
+                moved = list(args)
+                for k in data:
+                    moved[k] = args[k] + i.astype(args[k].dtype)
+                return fn(*moved)
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), outs)
+            return lax.fori_loop(0, 2, body, zeros)
+        return loop
+    return wrap, None, "fori(2, inputs+i)"
+
+
+@piece("wrap", "cond")
+def _wcond(r, c):
+    data = c.data_inputs()
+    def wrap(fn):
+        def branch(*args):
+            return lax.cond(jnp.sum(args[data[0]]) > 0, fn,
+                            lambda *a: fn(*[-v if k in data else v for k, v in enumerate(a)]), *args)
+        return branch
+    return wrap, None, "cond(sum(x)>0, f, f(-inputs))"
+
+
+@piece("wrap", "checkpoint")
+def _wcheckpoint(r, c):
+    return (lambda fn: jax.checkpoint(fn)), None, "checkpoint"
+
+
+@piece("wrap", "jit")
+def _wjit(r, c):
+    return (lambda fn: jax.jit(fn)), None, "jax.jit"
+
+
+@piece("wrap", "grad", dtypes=FLOATS)
+def _wgrad(r, c):
+    """The program becomes the gradient of a fixed linear functional of its float outputs."""
+    from tests.fuzz.programs import float_inputs, linear_loss
+    data = float_inputs(c.inputs)
+    def wrap(fn):
+        def grads(*args):
+            def loss(*diff):
+                full = list(args)
+                for k, v in zip(data, diff):
+                    full[k] = v
+                return linear_loss(fn(*full))
+            return jax.value_and_grad(loss, argnums=tuple(range(len(data))))(*[args[k] for k in data])
+        return grads
+    return wrap, None, "value_and_grad(linear functional)"

@@ -1,0 +1,380 @@
+"""Run seeded batches of random programs through ``hlopass.jit`` and ``jax.jit`` and compare.
+
+A *batch* (one seed) is ``size`` programs drawn around one random threshold and split size and run
+in one *mode*; all of its programs are compiled together, as one function returning every program's
+outputs, so one compile serves many programs:
+
+- ``value``: ``hlopass.jit(F)`` against ``jax.jit(F)``;
+- ``vmap_in`` / ``vmap_out``: ``hlopass.jit(jax.vmap(F))`` / ``jax.jit(jax.vmap(hlopass.jit(F)))`` (each
+  input gets a leading axis of 2);
+- ``grad_in`` / ``grad_out``: values and gradients of a fixed linear functional of the float outputs
+  with respect to every float input, ``hlopass.jit(value_and_grad(F))`` /
+  ``jax.jit(value_and_grad(hlopass.jit(F)))`` (the outer ``jax.jit`` keeps it one compile).
+
+Values are compared with dtype-aware tolerances relative to the largest finite reference magnitude,
+NaN and infinities where they are, integers and indices exactly. A batch that raises is re-run one
+program at a time to find the culprit. Reproduce a failure with
+``python -m tests.fuzz.runner --seeds SEED [--program INDEX] -v`` (``--no-exclusions`` to draw the
+programs of known defects too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hlopass
+import hlopass.call
+from tests.fuzz.exclusions import excluded
+from tests.fuzz.programs import Program, RandomDraw, draw_program, float_inputs, linear_loss
+
+MODES = ["value", "value", "value", "value", "vmap_in", "vmap_out", "grad_in", "grad_out"]
+THRESHOLDS = [8_000, 12_000, 16_000, 24_000, 32_000, 64_000, 128_000, 256_000]
+#: Tolerance relative to the largest finite magnitude of the reference leaf.
+TOLERANCE = {"float64": 1e-9, "float32": 2e-4, "float16": 2e-2, "bfloat16": 8e-2}
+#: Gradients sum hundreds of terms, and an expanded distance's gradient cancels (x·Σg − Σg·y): float32
+#: gradients get this tolerance instead.
+GRADIENT_TOLERANCE_FLOAT32 = 1e-3
+BATCH_SIZE = 8
+#: Lines the test run prints at its end (tests/fuzz/conftest.py).
+SUMMARY_LINES: list[str] = []
+
+
+#: Pieces that select among values (which one is the largest, the order): a gradient through them
+#: jumps when rounding reorders near-equal values.
+SELECTIONS = ("reduce:max", "reduce:min", "reduce:top_k", "post:sort", "post:top_k")
+
+
+def well_posed(program: Program, mode: str) -> bool:
+    """Whether comparing ``program`` in ``mode`` can only fail for a wrong rewrite.
+
+    Not so: gradients through a selection of inexact values (a reordered sum picks another of two
+    near-equal maxima, or sorts them the other way, and the gradient lands on another entry; on the
+    integer grid, float32 and float64 values are exact and ties are real ties), and gradients of
+    ``sqrt`` near zero off the integer grid (a value rounded to 1e-8 instead of 0 has derivative 5e3
+    instead of 0): the derivative is discontinuous or unbounded there, rounding decides. Nor
+    gradients of 16-bit programs off the integer grid or through transcendental functions: rounding
+    at 8 to 11 bits inside sums of hundreds of terms decides them (their values are still compared).
+    """
+    gradient = mode.startswith("grad") or program.has("wrap:grad")
+    if gradient and program.dtype in ("float16", "bfloat16") and not program.exact:
+        return False
+    if gradient and any(program.has(s) for s in SELECTIONS) and (
+            not program.grid or program.dtype in ("float16", "bfloat16")):
+        return False
+    if gradient and program.has("map:safe_sqrt") and (not program.grid or program.dtype in ("float16", "bfloat16")):
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class Batch:
+    seed: str
+    threshold: int
+    split_size: int
+    mode: str
+    x64: bool
+    programs: list[Program]
+    excluded: dict = dataclasses.field(default_factory=dict)
+
+    def header(self) -> str:
+        return (f"seed {self.seed}: mode={self.mode} threshold={self.threshold} split_size={self.split_size} "
+                f"x64={self.x64}")
+
+
+def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None, exclusions: bool = True) -> Batch:
+    """The batch of ``seed`` (deterministic); ``only`` keeps one program (same draws);
+    ``exclusions=False`` draws the known-failing programs too (to reproduce a defect)."""
+    r = RandomDraw(f"batch/{seed}")
+    threshold = r.choice(THRESHOLDS)
+    split_size = max(1, threshold // r.choice([1, 1, 2, 4, 8]))
+    mode = r.choice(MODES)
+    x64 = r.boolean(0.3)
+    batch = Batch(str(seed), threshold, split_size, mode, x64, [])
+    hits = collections.Counter()
+    for i in range(size):
+        if only is not None and i != only:
+            continue
+        for attempt in range(50):
+            program = draw_program(RandomDraw(f"{seed}/{i}/{attempt}"), threshold, label=f"{seed}/{i}", x64=x64)
+            if not well_posed(program, mode):
+                continue
+            hit = excluded(program, mode) if exclusions else None
+            if hit is None:
+                break
+            hits[hit] += 1
+        batch.programs.append(program)
+    batch.excluded = dict(hits)
+    return batch
+
+
+# ----------------------------------------------------------------------------------------- running
+def _combined(programs: list[Program]):
+    offsets = np.cumsum([0] + [len(p.inputs) for p in programs]).tolist()
+
+    def F(*flat):
+        return [p.fn(*flat[offsets[i]:offsets[i + 1]]) for i, p in enumerate(programs)]
+    return F, offsets
+
+
+def _value_and_grad(F, float_pos):
+    def g(*flat):
+        def loss(*diff):
+            full = list(flat)
+            for k, v in zip(float_pos, diff):
+                full[k] = v
+            outs = F(*full)
+            return linear_loss(outs), outs
+        (_, outs), grads = jax.value_and_grad(loss, argnums=tuple(range(len(float_pos))), has_aux=True)(
+            *[flat[k] for k in float_pos])
+        return outs, grads
+    return g
+
+
+@contextlib.contextmanager
+def observed_reports():
+    """Collect the report of every pipeline run the lowering of ``hlopass_call`` s makes meanwhile
+    (forward, backward and batched programs alike), without running the passes a second time."""
+    reports = []
+    original = hlopass.call.run_pipeline
+
+    def observing(*args, **kwargs):
+        result = original(*args, **kwargs)
+        reports.append(result.report)
+        return result
+    hlopass.call.run_pipeline = observing
+    try:
+        yield reports
+    finally:
+        hlopass.call.run_pipeline = original
+
+
+def execute(batch: Batch):
+    """Run ``batch`` both ways: ``(got, want, reports, float_pos, offsets)``."""
+    programs = batch.programs
+    F, offsets = _combined(programs)
+    lead = (2,) if batch.mode.startswith("vmap") else ()
+    flat = [a for p in programs for a in p.make_inputs(lead)]
+    specs = [s for p in programs for s in p.inputs]
+    float_pos = float_inputs(specs)
+    mode = batch.mode if float_pos or not batch.mode.startswith("grad") else "value"
+    settings = dict(threshold=batch.threshold, split_size=batch.split_size)
+    if mode == "value":
+        ours, ref = hlopass.jit(F, **settings), jax.jit(F)
+    elif mode == "vmap_in":
+        ours, ref = hlopass.jit(jax.vmap(F), **settings), jax.jit(jax.vmap(F))
+    elif mode == "vmap_out":
+        ours, ref = jax.jit(jax.vmap(hlopass.jit(F, **settings))), jax.jit(jax.vmap(F))
+    elif mode == "grad_in":
+        ours, ref = hlopass.jit(_value_and_grad(F, float_pos), **settings), jax.jit(_value_and_grad(F, float_pos))
+    elif mode == "grad_out":
+        ours = jax.jit(_value_and_grad(hlopass.jit(F, **settings), float_pos))
+        ref = jax.jit(_value_and_grad(F, float_pos))
+    else:
+        raise ValueError(mode)
+    want = jax.device_get(ref(*flat))
+    with observed_reports() as reports:
+        got = jax.device_get(ours(*flat))
+    return got, want, reports, float_pos, offsets, mode
+
+
+def compare(got, want, where: str = "", dtype: str = "float64", gradient: bool = False) -> str | None:
+    """``None`` when ``got`` matches ``want``, else what differs. Float leaves get the tolerance of
+    their own dtype or of the program's ``dtype``, whichever is looser (a float32 loss of float16
+    values carries float16 rounding)."""
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    if got_tree != want_tree:
+        return f"{where}: structure {got_tree} != {want_tree}"
+    for k, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        g, w = np.asarray(g), np.asarray(w)
+        name = f"{where}[{k}]"
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"{name}: {g.dtype}{g.shape} != {w.dtype}{w.shape}"
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            if not np.array_equal(g, w):
+                bad = np.argwhere(g != w)
+                return f"{name}: {len(bad)} of {w.size} integer entries differ, first at {bad[0].tolist()}: " \
+                       f"{g[tuple(bad[0])]} != {w[tuple(bad[0])]}"
+            continue
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        nan_g, nan_w = np.isnan(g64), np.isnan(w64)
+        if not np.array_equal(nan_g, nan_w):
+            return f"{name}: NaN at {int((nan_g & ~nan_w).sum())} entries only in hlopass, " \
+                   f"{int((nan_w & ~nan_g).sum())} only in jax.jit (of {w.size})"
+        inf_w = np.isinf(w64)
+        if not np.array_equal(g64[inf_w], w64[inf_w]):
+            return f"{name}: {int((g64[inf_w] != w64[inf_w]).sum())} infinities of jax.jit differ"
+        finite = np.isfinite(w64)
+        if not finite.any():
+            continue
+        near_max = np.abs(w64) > 0.25 * float(jnp.finfo(w.dtype).max)   # overflow is rounding there
+        if np.isinf(g64[finite & ~near_max]).any():
+            return f"{name}: hlopass overflows where jax.jit is finite"
+        scale = max(float(np.max(np.abs(w64[finite]))), 1e-30)
+        ok = finite & ~near_max
+        err = np.abs(g64[ok] - w64[ok])
+        tol = max(TOLERANCE[w.dtype.name], TOLERANCE.get(dtype, 0.0),
+                  GRADIENT_TOLERANCE_FLOAT32 if gradient else 0.0) * scale
+        if err.size and float(err.max()) > tol:
+            i = int(np.argmax(err))
+            return f"{name}: max error {err.max():.3g} > {tol:.3g} (scale {scale:.3g}; " \
+                   f"{g64[ok][i]!r} vs {w64[ok][i]!r})"
+    return None
+
+
+def check_batch(batch: Batch, isolate: bool = True) -> dict:
+    """Run and compare; ``{"failures": [...], "rewrites": Counter, "programs": n}``."""
+    result = {"failures": [], "rewrites": collections.Counter(), "programs": len(batch.programs),
+              "excluded": dict(batch.excluded)}
+    try:
+        got, want, reports, float_pos, offsets, mode = execute(batch)
+    except Exception as err:  # noqa: BLE001 - a crash is a finding
+        message = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+        if not isolate or len(batch.programs) == 1:
+            result["failures"].append(_failure(batch, batch.programs[0] if len(batch.programs) == 1 else None,
+                                               f"raised {message}", traceback.format_exc(limit=-6)))
+            return result
+        found = False
+        for program in batch.programs:  # find the program(s) that raise alone
+            single = dataclasses.replace(batch, programs=[program])
+            sub = check_batch(single, isolate=False)
+            result["failures"].extend(sub["failures"])
+            result["rewrites"].update(sub["rewrites"])
+            found |= bool(sub["failures"])
+        if not found:
+            result["failures"].append(_failure(batch, None, f"batch raised, no program alone does: {message}"))
+        return result
+    for report in reports:
+        for rewrite in report.rewrites:
+            result["rewrites"][f"{rewrite.pass_name}:{rewrite.kind}"] += 1
+    grads_got = grads_want = None
+    if mode.startswith("grad"):
+        (got, grads_got), (want, grads_want) = got, want
+    for i, program in enumerate(batch.programs):
+        problem = compare(got[i], want[i], "values", program.dtype, gradient=program.has("wrap:grad"))
+        if problem is None and grads_got is not None:
+            for j, k in enumerate(float_pos):
+                if offsets[i] <= k < offsets[i + 1]:
+                    problem = compare(grads_got[j], grads_want[j], f"d/d input {k - offsets[i]}",
+                                      program.dtype, gradient=True)
+                    if problem:
+                        break
+        if problem:
+            result["failures"].append(_failure(batch, program, problem))
+    return result
+
+
+def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "") -> dict:
+    index = program.label.split("/")[-1] if program else None
+    repro = (f"python -m tests.fuzz.runner --seeds {batch.seed} --size {BATCH_SIZE}"
+             + (f" --program {index}" if index else "") + " -v")
+    return {"batch": batch.header(), "program": repr(program) if program else None, "problem": problem,
+            "pieces": list(program.pieces) if program else [], "reproduce": repro, "traceback": trace}
+
+
+#: XLA flag the CI workers use to halve compile time; a failure seen with it is re-run without it
+#: (in a child process) and counts only if it happens there too.
+FAST_FLAG = "--xla_backend_optimization_level=0"
+
+
+def recheck_with_default_flags(seed, size, only, exclusions) -> set:
+    """``(program, what)`` of the failures of batch ``seed`` under XLA's default flags."""
+    import subprocess
+    import tempfile
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_FLAG, "").strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "recheck.json")
+        cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", str(seed), "--size", str(size), "--json", out]
+        cmd += ([] if only is None else ["--program", str(only)]) + ([] if exclusions else ["--no-exclusions"])
+        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
+        if not os.path.exists(out):
+            return {(None, "recheck died")}
+        with open(out) as fh:
+            return {(f["program"], f["problem"].split(":")[0]) for f in json.load(fh)["failures"]}
+
+
+def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: bool = False,
+              exclusions: bool = True) -> dict:
+    total = {"seeds": [str(s) for s in seeds], "programs": 0, "rewrites": collections.Counter(), "failures": [],
+             "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter(),
+             "fast_flag_only": []}
+    start = time.perf_counter()
+    for seed in seeds:
+        batch = draw_batch(seed, size, only, exclusions)
+        if verbose:
+            print(batch.header())
+            for p in batch.programs:
+                print("  ", p)
+        t0 = time.perf_counter()
+        with jax.enable_x64(batch.x64):
+            result = check_batch(batch)
+        total["batches"] += 1
+        total["programs"] += result["programs"]
+        total["rewrites"].update(result["rewrites"])
+        total["excluded"].update(result["excluded"])
+        if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
+            confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions)
+            for f in result["failures"]:
+                (total["failures"] if (f["program"], f["problem"].split(":")[0]) in confirmed
+                 else total["fast_flag_only"]).append(f)
+        else:
+            total["failures"].extend(result["failures"])
+        total["modes"][batch.mode] += result["programs"]
+        if verbose:
+            print(f"  {time.perf_counter() - t0:.1f} s, rewrites {dict(result['rewrites'])}")
+            for f in result["failures"]:
+                print(f"  FAIL {f['program']}\n       {f['problem']}\n{f['traceback']}")
+    total["seconds"] = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total["cpu_seconds"] = usage.ru_utime + usage.ru_stime
+    return total
+
+
+def _parse_seeds(text: str) -> list[str]:
+    seeds = []
+    for part in text.split(","):
+        if "-" in part and part.replace("-", "").isdigit():
+            lo, hi = part.split("-")
+            seeds.extend(str(s) for s in range(int(lo), int(hi) + 1))
+        elif part:
+            seeds.append(part)
+    return seeds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", required=True, help="comma-separated seeds or ranges, e.g. 0-9,f123")
+    parser.add_argument("--size", type=int, default=BATCH_SIZE, help="programs per batch")
+    parser.add_argument("--program", type=int, default=None, help="run only this program of each batch")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--no-exclusions", dest="exclusions", action="store_false",
+                        help="also draw the programs tests/fuzz/exclusions.py leaves out (known defects)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HLOPASS_RAISE_PASS_ERRORS", "1")
+    os.environ.setdefault("HLOPASS_CHECK_PASSES", "1")
+    total = run_seeds(_parse_seeds(args.seeds), args.size, args.program, args.verbose, args.exclusions)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(total, fh)
+    print(f"{total['programs']} programs in {total['batches']} batches, {total['seconds']:.0f} s "
+          f"({total['cpu_seconds']:.0f} CPU s), {len(total['fast_flag_only'])} differences only at {FAST_FLAG}, "
+          f"{len(total['failures'])} failures; rewrites: {dict(total['rewrites'])}")
+    return 1 if total["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The differential fuzzer: random programs through ``hlopass.jit`` against ``jax.jit``.
+
+``test_seeded_programs_match_jax_jit`` runs the fixed seeds (always) and fresh random ones (new each
+run, printed) in two worker processes, at least 2,000 programs in all, and prints which rewrites
+fired how often. A failure prints the command that reproduces it
+(``python -m tests.fuzz.runner --seeds SEED --program I -v``); a seed that found a defect goes into
+``REGRESSION_SEEDS`` and its minimal program into ``test_regressions.py``.
+
+Environment: ``HLOPASS_FUZZ_SEEDS`` (run exactly these, e.g. ``3,17,f123``),
+``HLOPASS_FUZZ_FRESH`` (how many fresh seeds; default below), ``HLOPASS_FUZZ_WORKERS``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
+
+from tests.fuzz import runner, test_regressions
+from tests.fuzz.exclusions import EXCLUSIONS, excluded
+from tests.fuzz.pieces import PIECES
+from tests.fuzz.programs import RandomDraw, draw_program, programs
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Always run. Each seed is one batch of ``runner.BATCH_SIZE`` programs (0-63 pass on main as it stands).
+FIXED_SEEDS = [str(s) for s in range(64)]
+#: Seeds that found a defect, once its fix lands (while it is open, its minimal program is an xfail test in
+#: test_regressions.py and its pieces are excluded, so the seed would draw something else).
+REGRESSION_SEEDS: list[str] = []
+#: Fresh seeds per run: with the fixed ones, 2,032 programs.
+FRESH_SEEDS = 190
+MIN_PROGRAMS = 2000
+#: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
+#: most of the fuzzer's cost. A difference seen so is re-run with the default flags and counts only
+#: if it is there too (one program once differed only at level 0: runner.recheck_with_default_flags).
+WORKER_XLA_FLAGS = runner.FAST_FLAG
+
+
+def _seeds() -> tuple[list[str], list[str]]:
+    chosen = os.environ.get("HLOPASS_FUZZ_SEEDS")
+    if chosen:
+        return runner._parse_seeds(chosen), []
+    fresh_count = int(os.environ.get("HLOPASS_FUZZ_FRESH", FRESH_SEEDS))
+    fresh = [f"r{random.SystemRandom().getrandbits(40)}" for _ in range(fresh_count)]
+    return FIXED_SEEDS + REGRESSION_SEEDS + fresh, fresh
+
+
+@pytest.mark.slow
+def test_seeded_programs_match_jax_jit(tmp_path):
+    seeds, fresh = _seeds()
+    workers = int(os.environ.get("HLOPASS_FUZZ_WORKERS", "2"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HLOPASS_RAISE_PASS_ERRORS="1", HLOPASS_CHECK_PASSES="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WORKER_XLA_FLAGS).strip())
+    start = time.perf_counter()
+    procs = []
+    for w in range(workers):
+        out = tmp_path / f"worker{w}.json"
+        cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", ",".join(seeds[w::workers]), "--json", str(out)]
+        procs.append((out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)))
+    total = {"programs": 0, "failures": [], "rewrites": collections.Counter(), "excluded": collections.Counter(),
+             "modes": collections.Counter(), "fast_flag_only": []}
+    logs = []
+    for out, proc in procs:
+        log, _ = proc.communicate(timeout=1800)
+        logs.append(log[-3000:])
+        if not out.exists():
+            pytest.fail(f"fuzzer worker died (exit {proc.returncode}); fresh seeds {fresh}:\n{log[-5000:]}")
+        part = json.loads(out.read_text())
+        total["programs"] += part["programs"]
+        total["failures"] += part["failures"]
+        total["fast_flag_only"] += part["fast_flag_only"]
+        for key in ("rewrites", "excluded", "modes"):
+            total[key].update(part[key])
+    seconds = time.perf_counter() - start
+    runner.SUMMARY_LINES[:] = [
+        f"{total['programs']} programs ({len(seeds)} batches, {workers} workers) in {seconds:.0f} s; "
+        f"{len(total['failures'])} mismatches or crashes",
+        "modes: " + ", ".join(f"{k} {v}" for k, v in sorted(total["modes"].items())),
+        "rewrites fired: " + ", ".join(f"{k} {v}" for k, v in sorted(total["rewrites"].items(), key=lambda kv: -kv[1])),
+        "programs redrawn by known-defect exclusions: "
+        + (", ".join(f"{k} {v}" for k, v in sorted(total["excluded"].items())) or "none"),
+        f"differences seen only at {runner.FAST_FLAG} (not failures): {len(total['fast_flag_only'])}"
+        + "".join(f"\n  {f['program']}: {f['problem']} ({f['reproduce']})" for f in total["fast_flag_only"]),
+        f"fresh seeds this run: {','.join(fresh) or '-'}",
+    ]
+    if total["failures"]:
+        lines = [f"{len(total['failures'])} programs differ from jax.jit (fresh seeds: {','.join(fresh)}):"]
+        for f in total["failures"][:25]:
+            lines += [f"- {f['batch']}", f"  {f['program']}", f"  {f['problem']}", f"  reproduce: {f['reproduce']}"]
+        pytest.fail("\n".join(lines))
+    assert total["programs"] >= MIN_PROGRAMS or os.environ.get("HLOPASS_FUZZ_SEEDS"), total["programs"]
+    assert total["rewrites"], "no rewrite fired: the programs no longer exercise the passes"
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
+@given(data=st.data(), threshold=st.sampled_from(runner.THRESHOLDS), mode=st.sampled_from(sorted(set(runner.MODES))))
+def test_hypothesis_programs_match_jax_jit(data, threshold, mode):
+    """The same programs drawn by hypothesis (one per example, default XLA flags)."""
+    x64 = data.draw(st.booleans())
+    program = data.draw(programs(threshold, x64=x64))
+    assume(runner.well_posed(program, mode) and excluded(program, mode) is None)
+    batch = runner.Batch("hypothesis", threshold, threshold, mode, x64, [program])
+    with jax.enable_x64(x64):
+        result = runner.check_batch(batch, isolate=False)
+    assert not result["failures"], result["failures"][0]["problem"] + "\n" + result["failures"][0]["traceback"]
+
+
+def test_every_piece_is_drawn():
+    """A piece added to a table is drawn (and so run) within a few hundred programs."""
+    seen = set()
+    for i in range(400):
+        seen.update(draw_program(RandomDraw(f"coverage/{i}"), 32_000, x64=True).pieces)
+    missing = sorted(f"{role}:{name}" for role, table in PIECES.items() for name in table
+                     if f"{role}:{name}" not in seen)
+    assert not missing, missing
+
+
+def test_every_exclusion_names_a_failing_regression_test():
+    """Each exclusion points at an xfail(strict=True) test in test_regressions.py (when the fix lands
+    and the marker goes, this asks for the exclusion to go too), or, for a documented deviation from
+    this backend's ``jax.jit``, at a passing test of the documented rule."""
+    for exclusion in EXCLUSIONS:
+        test = getattr(test_regressions, exclusion.regression, None)
+        assert test is not None, f"exclusion {exclusion.regression}: no such test in test_regressions.py"
+        marks = [m for m in getattr(test, "pytestmark", []) if m.name == "xfail"]
+        if exclusion.deviation:
+            assert not marks, f"{exclusion.regression} tests a documented rule: it must pass, not xfail"
+            continue
+        assert marks and marks[0].kwargs.get("strict"), (
+            f"{exclusion.regression} is no longer an expected failure: delete its exclusion in "
+            "tests/fuzz/exclusions.py")
+
+
+def test_compare_catches_what_it_must():
+    """The comparison is not vacuous: wrong values, NaN, infinities and indices are caught."""
+    import numpy as np
+    ones = np.ones(4, np.float32)
+    assert runner.compare(ones, ones) is None
+    assert runner.compare(ones * (1 + 1e-3), ones, dtype="float32") is not None
+    assert runner.compare(ones * (1 + 1e-3), ones, dtype="float16") is None
+    assert runner.compare(np.array([np.nan, 1], np.float32), np.array([0, 1], np.float32)) is not None
+    assert runner.compare(np.array([np.inf, 1], np.float32), np.array([-np.inf, 1], np.float32)) is not None
+    assert runner.compare(np.array([1, 2], np.int32), np.array([2, 1], np.int32)) is not None
+    assert runner.compare((ones,), (ones, ones)) is not None

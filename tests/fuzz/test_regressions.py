@@ -1,0 +1,189 @@
+"""Minimal programs for the defects the differential fuzzer and JAX's own tests found.
+
+Each test states the behaviour ``jax.jit`` has and is marked ``xfail(strict=True)`` while the defect
+is open, naming its owner (split, algebraic, matrix_chain, hvp, engine): it passes CI now and fails
+the day the defect is fixed, when the fixer removes the marker (and the exclusion in
+``tests/fuzz/exclusions.py`` that points at it, if any).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hlopass
+from tests.fuzz.runner import compare
+
+rng = np.random.default_rng(12)
+
+
+def normal(*shape, dtype=np.float32):
+    return rng.normal(size=shape).astype(dtype)
+
+
+def same_as_jax_jit(fn, *args, dtype="float32", rewrites=True, **settings):
+    """``hlopass.jit(fn, **settings)`` gives ``jax.jit(fn)``'s values (and a rewrite fired)."""
+    want = jax.device_get(jax.jit(fn)(*args))
+    ours = hlopass.jit(fn, **settings)
+    got = jax.device_get(ours(*args))
+    if rewrites:
+        assert ours.trace(*args).report.rewrites, "the program no longer exercises the pass"
+    problem = compare(got, want, "output", dtype)
+    assert problem is None, problem
+
+
+# ---------------------------------------------------------------------------------------------- split
+def test_strided_slice_after_a_split_region():
+    x = normal(43, 7)
+    same_as_jax_jit(lambda x: jnp.sum(jnp.tanh(x[:, None, :] + x[None, :, :]), -1)[::2], x,
+                    threshold="8kB", split_size="4000")
+
+
+def test_strided_slice_inside_a_split_region_before_max():
+    x, y = normal(43, 7), normal(40, 7)
+    same_as_jax_jit(lambda x, y: jnp.max((x[:, None, :] + y[None])[:, ::3], axis=2), x, y, threshold="8kB")
+
+
+def test_strided_slice_inside_a_split_region_before_sum():
+    x, y = normal(43, 7), normal(40, 7)
+    same_as_jax_jit(lambda x, y: jnp.sum((x[:, None, :] * y[None])[::2], axis=0), x, y, threshold="8kB")
+
+
+def test_strided_slice_inside_a_split_region_raises():
+    # fuzzer seed 0, program 9 (minimised)
+    x, y = normal(83, 7), normal(167, 7)
+
+    def fn(x, y):
+        v = jnp.swapaxes(x[:, None, :] + y[None], 0, 1)[:, ::3]
+        return jnp.max(v, axis=2)
+    same_as_jax_jit(fn, x, y, threshold="32kB")
+
+
+def test_strided_slice_of_an_input_of_a_split_region():
+    # fuzzer seed 204, program 3 (minimised)
+    x, y, w = normal(42, 5), normal(89, 5), normal(5)
+    idx = rng.integers(0, 42, size=3).astype(np.int32)
+    same_as_jax_jit(lambda x, y, w, idx: (jnp.exp(-jnp.einsum("nd,md->nmd", x, y[2::3]) ** 2) @ w)[idx],
+                    x, y, w, idx, threshold=4000, split_size=1000)
+
+
+@pytest.mark.parametrize("reduce", [jnp.max, jnp.min])
+def test_split_max_and_min_propagate_nan(reduce):
+    """A documented deviation (README, the split pass, NaN): a split max/min propagates NaN as JAX and
+    NumPy document, where XLA:CPU's fused large reductions under plain ``jax.jit`` skip it."""
+    x, y = normal(43, 7), normal(40, 7)
+    x[3, 2] = np.nan
+    fn = lambda x, y: reduce(x[:, None, :] - y[None], axis=0)  # noqa: E731
+    ours = hlopass.jit(fn, threshold="8kB")
+    assert ours.trace(x, y).report.rewrites
+    want = np.max if reduce is jnp.max else np.min
+    np.testing.assert_array_equal(np.asarray(ours(x, y)), want(x[:, None, :] - y[None], axis=0))
+
+
+def test_split_float16_dot_accumulates_like_xla():
+    xs, ys = normal(4, 60000, dtype=np.float16), normal(60000, dtype=np.float16)
+    fn = lambda x, y: jnp.sin(x) @ y  # noqa: E731
+    exact = np.sin(xs.astype(np.float64)) @ ys.astype(np.float64)
+    ours = hlopass.jit(fn, threshold="100kB", passes="split")
+    assert ours.trace(xs, ys).report.rewrites
+    err_ours = np.mean(np.abs(np.asarray(ours(xs, ys), np.float64) - exact))
+    err_jax = np.mean(np.abs(np.asarray(jax.jit(fn)(xs, ys), np.float64) - exact))
+    assert err_ours <= 1.25 * err_jax, (err_ours, err_jax)
+
+
+# ------------------------------------------------------------------------------------------ algebraic
+def test_where_guard_keeps_a_nan_out_of_a_sum():
+    x, y = normal(43, 7), normal(40, 7)
+    x[3, 2] = np.nan
+
+    def fn(x, y):  # the difference written twice, as jnp.nansum's expansion does with its input
+        return jnp.sum(jnp.where(jnp.isnan(x[:, None, :] - y[None]), 0.0, x[:, None, :] - y[None]))
+    same_as_jax_jit(fn, x, y, threshold="8kB", passes="algebraic", rewrites=False)
+    skips = hlopass.jit(fn, threshold="8kB", passes="algebraic").trace(x, y).report
+    assert "guards the values it drops" in str(skips)
+
+
+def test_expanded_distance_keeps_infinity():
+    x, y = normal(43, 7), normal(40, 7)
+    x[3, 2] = np.inf
+    same_as_jax_jit(lambda x, y: jnp.sum((x[:, None, :] - y[None]) ** 2, -1) @ jnp.ones(40), x, y,
+                    threshold="8kB")
+
+
+def test_iota_equality_mask_on_a_non_square_tensor():
+    # fuzzer seed 2, program 24 (minimised)
+    x, y = normal(50, 1), normal(30, 1)
+
+    def fn(x, y):
+        v = x * y[:, 0][None]
+        eye = lax.broadcasted_iota(jnp.int32, v.shape, 0) == lax.broadcasted_iota(jnp.int32, v.shape, 1)
+        return jnp.sum(jnp.where(eye, 0.0, v), 1)
+    same_as_jax_jit(fn, x, y, threshold="1kB")
+
+
+# --------------------------------------------------------------------------------------- matrix_chain
+def test_chain_with_a_widening_cast_under_strict_promotion():
+    a, b, v = normal(30, 30), normal(30, 30, dtype=np.float16), normal(30)
+    with jax.numpy_dtype_promotion("strict"):
+        same_as_jax_jit(lambda a, b, v: (a @ b.astype(jnp.float32)) @ v, a, b, v, threshold="8",
+                        passes="matrix_chain")
+
+
+# --------------------------------------------------------------------------------------------- engine
+@pytest.mark.parametrize("passes", ["split", "matrix_chain", "algebraic"])
+def test_linalg_solve_passes_through(passes):
+    a, b = normal(6, 6) + 6 * np.eye(6, dtype=np.float32), normal(6, 3)
+    same_as_jax_jit(lambda a, b: jnp.linalg.solve(a, b) @ b.T @ b, a, b, threshold="8", passes=passes,
+                    rewrites=False)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: every pass fails on a program that takes or returns a token")
+def test_token_argument_passes_through():
+    x = normal(6, 3)
+    fn = lambda t, x: (t, jnp.sum(x[:, None] * x[None]))  # noqa: E731
+    out = hlopass.jit(fn, threshold="8")(lax.create_token(), x)
+    np.testing.assert_allclose(out[1], jax.jit(fn)(lax.create_token(), x)[1], rtol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="engine: a hlopass function under jax.disable_jit() recurses forever")
+def test_call_under_disable_jit():
+    f = hlopass.jit(lambda x: jnp.sum(jnp.sin(x)))
+    with jax.disable_jit():
+        assert np.isclose(f(jnp.ones(5)), 5 * np.sin(1.0))
+
+
+@pytest.mark.xfail(strict=True, reason="engine: jax.grad of a hlopass function retraces it on every call")
+def test_grad_of_a_hlopass_function_traces_once():
+    f = hlopass.jit(lambda x: jnp.sum(jnp.sin(x)))
+    grad = jax.grad(f)
+    for _ in range(3):
+        grad(jnp.ones(5))
+    assert f.trace_count == 1
+
+
+@pytest.mark.xfail(strict=True, reason="engine: a hlopass function called 5 times inside one jax.jit is traced "
+                                       "5 times (jax.jit: once)")
+def test_calls_inside_an_outer_jit_trace_once():
+    f = hlopass.jit(lambda x: jnp.sum(jnp.sin(x)))
+    jax.jit(lambda x: sum(f(x * i) for i in range(5)))(jnp.ones(5))
+    assert f.trace_count == 1
+
+
+@pytest.mark.xfail(strict=True, reason="engine: static_argnums out of range is accepted at decoration "
+                                       "(jax.jit raises ValueError)")
+def test_bad_static_argnums_are_rejected_at_decoration():
+    with pytest.raises(ValueError):
+        jax.jit(lambda x: x, static_argnums=(5,))
+    with pytest.raises(ValueError):
+        hlopass.jit(lambda x: x, static_argnums=(5,))
+
+
+@pytest.mark.xfail(strict=True, reason="engine: threshold=0 names the split size with <object object at ...> "
+                                       "as its value")
+def test_threshold_zero_error_names_the_setting_and_value():
+    with pytest.raises(hlopass.ConfigError) as err:
+        hlopass.jit(lambda x: x, threshold=0)
+    assert "object object" not in str(err.value)
