@@ -181,8 +181,10 @@ def rel_diff(got, want) -> float:
     return worst
 
 
-def run_program(key: str, layers: int, width: int, batch: int, limit: int | None, repeat: int) -> list[dict]:
-    """The four columns of one program; ``limit=None``: arguments, outputs and 60% of plain's temporaries."""
+def run_program(key: str, layers: int, width: int, batch: int, limit: int | None, repeat: int,
+                threshold: str | None = None) -> list[dict]:
+    """The four columns of one program; ``limit=None``: arguments, outputs and 60% of plain's temporaries;
+    ``threshold``: hlopass's split threshold (``None``: its default; ``"off"``: no splitting)."""
     title, loss, every, sqrt_n, inputs = PROGRAMS[key]
     params, x = inputs(layers, width, batch)
     if limit is None:
@@ -190,7 +192,8 @@ def run_program(key: str, layers: int, width: int, batch: int, limit: int | None
         limit = before.argument_bytes + before.output_bytes + int(0.6 * before.temp_bytes)
     columns = [
         ("plain", lambda: jax.jit(jax.grad(loss))),
-        ("hlopass", lambda: hlopass.jit(jax.grad(loss), memory_limit=limit)),
+        ("hlopass", lambda: hlopass.jit(jax.grad(loss), memory_limit=limit,
+                                        **({} if threshold is None else {"threshold": threshold}))),
         ("ckpt every layer", lambda: jax.jit(jax.grad(every))),
         (f"ckpt every {block_size(layers)}", lambda: jax.jit(jax.grad(sqrt_n))),
     ]
@@ -204,8 +207,7 @@ def run_program(key: str, layers: int, width: int, batch: int, limit: int | None
         compile_seconds = time.perf_counter() - start
         if name == "hlopass":
             check = lowered.memory_check
-            report = next((p for p in traced.report.passes if p.name == "remat"), None)
-            notes = [str(r) for r in (*report.rewrites, *report.skipped)] if report else []
+            notes = [str(r) for p in traced.report.passes for r in (*p.rewrites, *p.skipped)]
         else:
             check, notes = measure(compiled), []
         got = jax.block_until_ready(compiled(params, x))             # the warm-up call
@@ -222,7 +224,7 @@ def run_program(key: str, layers: int, width: int, batch: int, limit: int | None
         seconds = best[name]
         rows.append(dict(program=key, title=title, column=name, layers=layers, width=width, batch=batch,
                          limit_bytes=limit, footprint_bytes=check.footprint, temp_bytes=check.temp_bytes,
-                         fits=check.footprint <= limit, compile_seconds=compile_seconds, seconds=seconds,
+                         threshold=threshold, fits=check.footprint <= limit, compile_seconds=compile_seconds, seconds=seconds,
                          ratio_to_plain=seconds / best["plain"], max_rel_diff=rel_diff(got, want), notes=notes))
         print(f"  {key:5s} {name:18s} footprint {format_size(check.footprint):>10s} "
               f"{'fits' if check.footprint <= limit else 'OVER'}  compile {compile_seconds:6.1f} s  "
@@ -253,6 +255,7 @@ def main(argv=None) -> int:
                              "plain's temporaries")
     parser.add_argument("--programs", default="loop,scan")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threshold", help="hlopass's split threshold (default: its own; 'off': no splitting)")
     parser.add_argument("--tiny", action="store_true", help="8 layers, width 32, batch 256, limit auto, 2 rounds")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -263,7 +266,7 @@ def main(argv=None) -> int:
           f"{args.layers} layers, width {args.width}, batch {args.batch}, limit {format_size(limit) if limit else 'auto'}", flush=True)
     rows = []
     for key in args.programs.split(","):
-        rows += run_program(key.strip(), args.layers, args.width, args.batch, limit, args.repeat)
+        rows += run_program(key.strip(), args.layers, args.width, args.batch, limit, args.repeat, args.threshold)
     print(markdown(rows))
     if args.json:
         meta = dict(jax=jax.__version__, platform=jax.devices()[0].platform, cores=os.cpu_count(),
