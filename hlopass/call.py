@@ -286,7 +286,9 @@ class _Linearized(NamedTuple):
 def _linearized(jaxpr: core.ClosedJaxpr, nzs: tuple, is_vjp: bool, config) -> _Linearized:
     """The passes' ``before_linearize`` rewrites and the primal/tangent split of ``jaxpr``, once per
     program (so that a gradient taken again finds the same programs and compiles nothing)."""
-    used, notes = before_linearize(jaxpr, config)
+    used, notes = jaxpr, ()
+    if is_vjp:  # the hooks may emit custom_vjp functions, which forward mode (jax.linearize) cannot run
+        used, notes = before_linearize(jaxpr, config)
     used, primal_jaxpr, num_res_out, nzs_out, in_fwd_res, tangent_jaxpr = primal_tangent_split(
         used, list(nzs), is_vjp, config)
     return _Linearized(tuple(used.out_avals), tuple(used.consts), primal_jaxpr, num_res_out, tuple(nzs_out),

@@ -10,8 +10,12 @@ BUILTIN: dict[str, str] = {
     "algebraic": "hlopass.passes.algebraic:AlgebraicPass",
     "matrix_chain": "hlopass.passes.matrix_chain:MatrixChainPass",
     "split": "hlopass.passes.split:SplitPass",
+    "remat": "hlopass.passes.remat:RematPass",
 }
 
 #: Rewrites that change the maths come first (they remove large tensors
-#: outright), reordering next, splitting last (it handles what remains).
-DEFAULT_PIPELINE: tuple[str, ...] = ("hvp", "algebraic", "matrix_chain", "split")
+#: outright), reordering next, splitting next (it handles what remains of
+#: large tensors), rematerialisation last (it trades the time of recomputing
+#: forward values for the memory of keeping them, only when the program is
+#: still over the memory limit).
+DEFAULT_PIPELINE: tuple[str, ...] = ("hvp", "algebraic", "matrix_chain", "split", "remat")
