@@ -12,8 +12,10 @@ sum out: the squared distance ``Σ(x − y)²`` becomes ``Σx² + Σy² − 2·x
    keep a zero a zero. The expanded distance of two nearly equal points is a rounding error of the
    order eps·|x|², not their distance, and ``sqrt`` makes that sqrt(eps)·|x| with an infinite slope.
 2. **Centred** (:func:`plan`): sources that enter only through differences ``x − y`` are shifted by
-   a common centre (the mean of their points' finite coordinates): every difference is unchanged,
-   and the cancellation of points far from the origin is gone.
+   a common centre (the mean of their points' finite coordinates, rounded to a power of two not above
+   their spread, so that points on a grid stay on it): every difference is unchanged, the
+   cancellation of points far from the origin is gone, and integer coordinates give exact distances
+   (ties stay ties for a ``top_k``/``sort``/``argmin`` reading them).
 3. **An exact zero on the diagonal** of a self-distance (``x`` against ``x``).
 4. **Plain JAX's Inf/NaN semantics** for the pairwise squared distance (:func:`emit_planned`): a
    pair of points with a NaN coordinate, or with an infinite coordinate of the same sign in both
@@ -28,6 +30,8 @@ sum out: the squared distance ``Σ(x − y)²`` becomes ``Σx² + Σy² − 2·x
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -293,6 +297,28 @@ def _finite_mean(value, feats):
     return jnp.mean(finite, axis=points) if points else finite
 
 
+def _finite_extremes(value, feats):
+    """Per feature: the largest and smallest finite coordinate (-Inf and +Inf when there is none)."""
+    finite = jnp.isfinite(value)
+    points = tuple(ax for ax in range(value.ndim) if ax not in feats)
+    hi = jnp.where(finite, value, jnp.array(-jnp.inf, value.dtype))
+    lo = jnp.where(finite, value, jnp.array(jnp.inf, value.dtype))
+    return (jnp.max(hi, axis=points), jnp.min(lo, axis=points)) if points else (hi, lo)
+
+
+def _round_to_spread(centre, hi, lo):
+    """``centre`` rounded to a multiple of the largest power of two not above the points' spread.
+
+    Differences are unchanged by any centre; a rounded one keeps points on a grid on it (integer
+    coordinates stay integers, so their expanded distances stay exact and ties stay ties, as in the
+    written form), while staying within half the spread of the mean (the cancellation stays small).
+    """
+    spread = hi - lo
+    usable = jnp.isfinite(spread) & (spread > 0)
+    step = jnp.exp2(jnp.floor(jnp.log2(jnp.where(usable, spread, jnp.ones((), spread.dtype)))))
+    return jnp.where(usable, jnp.round(centre / step) * step, centre)
+
+
 def emit_planned(p: Plan, expansion: Expansion, values: list, output_labels: tuple, label_sizes: dict,
                  out_shape: tuple, dtype):
     """Emit ``expansion`` (as :func:`~.expansion.emit` does) under the plan ``p``.
@@ -310,7 +336,10 @@ def emit_planned(p: Plan, expansion: Expansion, values: list, output_labels: tup
         for s, _ in group:
             values[s] = jnp.asarray(values[s]).astype(dtype)
         means = [_finite_mean(values[s], feats) for s, feats in group]
-        centre = lax.stop_gradient(sum(means[1:], means[0]) / len(means))
+        extremes = [_finite_extremes(values[s], feats) for s, feats in group]
+        hi = functools.reduce(jnp.maximum, [e[0] for e in extremes])
+        lo = functools.reduce(jnp.minimum, [e[1] for e in extremes])
+        centre = lax.stop_gradient(_round_to_spread(sum(means[1:], means[0]) / len(means), hi, lo))
         for s, feats in group:
             values[s] = values[s] - lax.broadcast_in_dim(centre, values[s].shape, feats)
     zero = jnp.zeros((), dtype)

@@ -113,6 +113,21 @@ def test_expanded_distance_keeps_infinity():
                     threshold="8kB")
 
 
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_expanded_distance_keeps_grid_ties(offset):
+    """Fuzzer seed r1002380688597, programs 3 and 6: points on an integer grid have exactly tied
+    distances; the centred expansion must keep them tied, so top_k picks the indices jax.jit picks."""
+    grid = np.random.default_rng(3)
+    x = grid.integers(-3, 4, size=(110, 7)).astype(np.float32) + offset
+    y = grid.integers(-3, 4, size=(109, 7)).astype(np.float32) + offset
+    fn = lambda x, y: lax.top_k(jnp.sin(jnp.sum((x[:, None, :] - y[None]) ** 2, -1)), 3)  # noqa: E731
+    ours = hlopass.jit(fn, threshold="8kB")
+    assert any(r.kind == "squared_distance" for r in ours.trace(x, y).report.rewrites)
+    got, want = ours(x, y), jax.jit(fn)(x, y)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 def test_iota_equality_mask_on_a_non_square_tensor():
     # fuzzer seed 2, program 24 (minimised)
     x, y = normal(50, 1), normal(30, 1)
