@@ -32,6 +32,15 @@ does), so a slice whose maximum is still ``-inf`` (masked keys) adds zeros,
 not NaN; after the loop each sum is brought from the last clamped ``L`` to the
 ``L`` of the true final shift values without a guard, so fully masked rows,
 ``+inf`` and NaN give what the unsplit program gives.
+
+:func:`final_equations` finds the *final program*: small equations computed
+from the region's sums and read back as a factor of a scaled value (the
+``1 / s`` of ``softmax(x) @ V``). The loop skips that ``mul``/``div`` (the
+scaled value passes through) and after the loop multiplies each sum it reached
+by the factor mapped to the sum's shape (:class:`Scales` with ``finals``): one
+loop carries the running maximum, the running sum and the running weighted sum.
+A scaled, shifted or final value that would leave the loop along the split
+axis, or a sum along a dimension along which the shift varies, is not online.
 """
 
 from __future__ import annotations

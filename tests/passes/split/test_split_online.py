@@ -289,3 +289,31 @@ def test_linear_attention_gradient_bounded_and_equal():
     assert own_largest(lowered, (q, k, v), want) <= 1.5 * THRESHOLD, lowered.report
     _close(lowered.compile()(q, k, v), want, 1e-4, 1e-4)
     check_online(linear_attention, q, k, v, carried="running total", rtol=1e-4, atol=1e-4, grad_argnums=(0, 1, 2))
+
+
+# -- jax.nn.dot_product_attention (its XLA implementation): heads, a batch, masks, gradients --------
+
+def attention_inputs():
+    shape_q, shape_kv = (1, 3, 2, 8), (1, 2003, 2, 8)  # batch, length, heads, head dim
+    return normal(0, shape_q), normal(1, shape_kv), normal(2, shape_kv)
+
+
+def attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v)
+
+
+def padded_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, mask=(jnp.arange(2003) < 1500)[None, None, None, :])
+
+
+def test_dot_product_attention_is_one_online_loop():
+    q, k, v = attention_inputs()
+    check_online(attention, q, k, v, loops=1)
+    check_online(padded_attention, q, k, v, loops=1)
+
+
+def test_dot_product_attention_gradient():
+    q, k, v = attention_inputs()
+    check_online(padded_attention, q, k, v, grad_argnums=(0, 1, 2))
+    grad = jax.grad(lambda *a: jnp.sum(attention(*a) ** 2), argnums=(0, 1, 2))
+    check_online(grad, q, k, v)
