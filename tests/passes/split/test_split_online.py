@@ -7,6 +7,8 @@ program's own tensors (arguments, results and tensors of their shapes aside, see
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -317,3 +319,45 @@ def test_dot_product_attention_gradient():
     check_online(padded_attention, q, k, v, grad_argnums=(0, 1, 2))
     grad = jax.grad(lambda *a: jnp.sum(attention(*a) ** 2), argnums=(0, 1, 2))
     check_online(grad, q, k, v)
+
+
+# -- random softmax-shaped programs (hypothesis) ----------------------------------------------------
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+LOGITS = {
+    "dot": lambda a, b: a @ b.T,
+    "neg sqdist": lambda a, b: -jnp.sum((a[:, None, :] - b[None, :, :]) ** 2, axis=-1),
+    "scaled dot": lambda a, b: (a @ b.T) * 3.0 + 1.0,
+}
+MASKS = {
+    "none": lambda x: x,
+    "padding": lambda x: jnp.where(jnp.arange(x.shape[1])[None, :] < (2 * x.shape[1]) // 3, x, -jnp.inf),
+    # (a row-dependent mask is test_masks_nan_and_inf_as_jax[causal]: here its comparison of broadcast int32
+    # iotas, outside the region and as large as the logits in int32, would count against the tiny threshold)
+    "late keys only": lambda x: jnp.where(jnp.arange(x.shape[1])[None, :] >= x.shape[1] - 7, x, -jnp.inf),
+}
+HEADS = {
+    "logsumexp": lambda x, v: jax.nn.logsumexp(x, axis=1),
+    "softmax @ v": lambda x, v: jax.nn.softmax(x, axis=1) @ v,
+    "by hand": lambda x, v: softmax_v_hand_of(x, v),
+    "both": lambda x, v: (lse_hand_of(x), jax.nn.softmax(x, axis=1) @ v),
+}
+
+
+@pytest.mark.slow
+@settings(max_examples=int(os.environ.get("HLOPASS_SPLIT_EXAMPLES", "6")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow], phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(rows=st.integers(3, 5), keys=st.integers(1500, 4000), logits=st.sampled_from(sorted(LOGITS)),
+       mask=st.sampled_from(sorted(MASKS)), head=st.sampled_from(sorted(HEADS)), seed=st.integers(0, 2**16))
+def test_random_softmax_programs_match_jax_jit(rows, keys, logits, mask, head, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    a, b, v = jax.random.normal(ks[0], (rows, 3)), jax.random.normal(ks[1], (keys, 3)), jax.random.normal(ks[2], (keys, 2))
+
+    def program(a, b, v):
+        return HEADS[head](MASKS[mask](LOGITS[logits](a, b)), v)
+
+    # the logits over the split size, a vector along the keys (a mask's iota) well under it
+    threshold = 2 * keys * 4
+    check_online(program, a, b, v, threshold=threshold, rtol=1e-4, atol=1e-4)
