@@ -32,8 +32,15 @@ results keep the shardings jax.jit gives; loop carries take the varying
 manual axes and explicit sharding of the values they build; ``shard_map``
 bodies are split with their manual axes bound, collectives left in place.
 
-Leaves alone: what cannot be split (no rule, random numbers, sort or a
-cumulative op along the axis, a factorisation of a large matrix...),
+Carried state (:mod:`.online`): a region reducing the split axis in two
+dependent steps (a maximum, then sums of ``exp(x - max)``: logsumexp, softmax)
+is one loop carrying a running maximum and rescaled running sums; a
+cumulative op along the split axis carries its running total from slice to
+slice (from the end with ``reverse``). The report says what each loop carries.
+
+Leaves alone: what cannot be split (no rule, random numbers, sort along the
+axis, a factorisation of a large matrix, cumulative ops along the axis in
+both directions, a value not linear in ``exp(-max)``...),
 reported with its source line; a region whose loop cannot be built and a
 sub-program that cannot be rebuilt are left as they are and reported, the
 rest is still split.
@@ -61,7 +68,7 @@ from hlopass.sizes import format_size
 from .emit import LoopPlan
 from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
-from .rules import dim_map
+from .rules import SCATTER_MONOIDS, dim_map
 from .unroll import unroll_short_reductions
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +253,8 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
         jaxpr = current.jaxpr
         graph = DataflowGraph(jaxpr)
         plans, failures = _plan_round(jaxpr, graph, config, report, options, broken)
-        if failures and staging_tries:  # a shared large value may need two passes: a copy per stage of readers
+        nested = any(p.candidate.nested for p in plans) and _has_large_max(jaxpr, config.split_size)
+        if (failures or nested) and staging_tries:  # a shared large value may need two passes: a copy per stage
             staging_tries -= 1
             current, plans, failures = _recompute_where_it_helps(current, plans, failures, config, report,
                                                                  options, broken)
@@ -262,38 +270,63 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
     return current if changed else closed
 
 
+def _has_large_max(jaxpr, large: int) -> bool:
+    """Whether a ``reduce_max`` reads a value over ``large`` bytes (a running maximum may spare a nested split)."""
+    return any(eqn.primitive.name == "reduce_max" and aval_nbytes(eqn.invars[0].aval) > large for eqn in jaxpr.eqns)
+
+
+def _score(plans, failures) -> tuple[int, int]:
+    """Regions left unsplit, then regions split in nested loops: fewer is better."""
+    return len(failures), sum(bool(p.candidate.nested) for p in plans)
+
+
 def _recompute_where_it_helps(current, plans, failures, config: Config, report: PassReport,
                               options: SplitOptions, broken: set):
     """Give the later stages of readers of a shared large value their own copy, one value at a time,
-    keeping each copy that leaves fewer regions unsplit."""
+    keeping each copy that leaves fewer regions unsplit. Stages that one loop carrying a running
+    maximum can cover are tried first (the latest value first: its copy takes the earlier ones along)."""
+    for online in (True, False):
+        current, plans, failures = _recompute_staged(current, plans, failures, config, report, options, broken,
+                                                     online)
+        if _score(plans, failures) == (0, 0):
+            break
+    return current, plans, failures
+
+
+def _recompute_staged(current, plans, failures, config: Config, report: PassReport, options: SplitOptions,
+                      broken: set, online: bool):
+    def candidates_of(jaxpr):
+        found = staged_values(jaxpr, config.split_size, online)
+        return found[::-1] if online else found
+
     tried = 0
     for _ in range(len(current.jaxpr.eqns)):
-        candidates = staged_values(current.jaxpr, config.split_size)
-        if tried >= len(candidates) or not failures:
+        candidates = candidates_of(current.jaxpr)
+        if tried >= len(candidates) or _score(plans, failures) == (0, 0):
             break
         var = candidates[tried]
-        staged = recompute_for_later_stages(current, var, config.split_size)
+        staged = recompute_for_later_stages(current, var, config.split_size, online)
         staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
                                                     options, broken)
-        if len(staged_failures) < len(failures):
+        if _score(staged_plans, staged_failures) < _score(plans, failures):
             current, plans, failures = staged, staged_plans, staged_failures
             tried = 0
         else:
             tried += 1
-    if failures:  # values whose copies only help together (a gradient reading several of them again)
+    if _score(plans, failures) != (0, 0):  # values whose copies only help together (a gradient reading several of them again)
         staged = current
         for _ in range(4 * len(current.jaxpr.eqns)):
-            candidates = staged_values(staged.jaxpr, config.split_size)
+            candidates = candidates_of(staged.jaxpr)
             if not candidates:
                 break
-            copied = recompute_for_later_stages(staged, candidates[0], config.split_size)
+            copied = recompute_for_later_stages(staged, candidates[0], config.split_size, online)
             if copied is staged:
                 break
             staged = copied
         if staged is not current:
             staged_plans, staged_failures = _plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
                                                         options, broken)
-            if len(staged_failures) < len(failures):
+            if _score(staged_plans, staged_failures) < _score(plans, failures):
                 current, plans, failures = staged, staged_plans, staged_failures
     return current, plans, failures
 
@@ -546,11 +579,48 @@ def _report_split(report: PassReport, jaxpr, plan: LoopPlan, candidate: _Candida
                f"{f' (last {remainder})' if remainder else ''}, {len(region.eqns)} equations per iteration, "
                f"{how}; largest tensor {format_size(region.largest_bytes())} -> {format_size(chunk_bytes)}"
                f"{' per step, split again inside (nested)' if candidate.nested else ''}")
-    report.rewrite("split", seed, summary, axis=axis, size=region.size, iterations=plan.iterations,
+    carried = carried_state(plan)
+    summary += f"; carries {', '.join(carried)}"
+    report.rewrite("split", seed, summary, axis=axis, size=region.size, iterations=plan.iterations, carried=carried,
                    chunk=plan.chunk, chunk_bytes=chunk_bytes, largest_before=region.largest_bytes(),
                    largest_after=chunk_bytes, equations=len(region.eqns), nested=candidate.nested,
                    reducers=sorted(jaxpr.eqns[i].primitive.name for i in region.reducing),
                    outputs=len(plan.outputs))
+
+
+_MONOID_STATE = {"add": "sum", "mul": "product", "max": "maximum", "min": "minimum", "and": "and", "or": "or",
+                 "xor": "xor", "argmax": "argmax (value, index)", "argmin": "argmin (value, index)",
+                 "top_k": "top-k", "scatter": "scattered result"}
+
+
+def carried_state(plan: LoopPlan) -> list[str]:
+    """What the loop carries from one step to the next, one phrase per value (the report says it)."""
+    online = plan.region.online
+    sums = {plan.jaxpr.eqns[i].outvars[0] for i in online.sums} if online is not None else set()
+    maxima = set(plan.maxima)
+    out = []
+    for var in plan.carried:
+        axis = plan.output_axis(var)
+        if axis is not None:
+            out.append(f"the result {aval_str(var.aval)} written slice by slice")
+        elif var in maxima:
+            out.append(f"a running {_MONOID_STATE[plan.monoid_of(var)]} {aval_str(var.aval)} "
+                       f"(shift values recomputed from it each step)")
+        elif var in sums:
+            after = " (scaled by the final program's values after the loop)" if online.final and not any(
+                var in plan.jaxpr.eqns[i].invars for i in online.final) else ""
+            out.append(f"a running sum {aval_str(var.aval)} rescaled by exp(new shift - old shift) each step, "
+                       f"with its shift{after}")
+        else:
+            monoid = plan.monoid_of(var)
+            name = plan.jaxpr.eqns[plan._producer(var)].primitive.name
+            out.append(f"a running {_MONOID_STATE.get(monoid, monoid)} {aval_str(var.aval)}" +
+                       (" (scatter)" if name in SCATTER_MONOIDS else ""))
+    for i, (monoid, reverse) in sorted(plan.region.scans.items()):
+        eqn = plan.jaxpr.eqns[i]
+        out.append(f"the running total of {eqn.primitive.name} {aval_str(plan._carry_aval(i))} "
+                   f"({'from the last slice back' if reverse else 'slice to slice'})")
+    return out
 
 
 def _upper_bound(closed: core.ClosedJaxpr) -> int:

@@ -43,6 +43,7 @@ from hlopass.jaxpr_utils import trace_flat
 from hlopass.sharding import conform, distributed_type
 
 from .region import SplitRegion
+from .online import FINAL, Scales, clamp, rescale
 from .rules import SCATTER_MONOIDS, chunk_params, combine, identity
 
 
@@ -70,7 +71,24 @@ class LoopPlan:
         for i, monoid in self.region.reducing.items():
             if monoid == "top_k":
                 hidden += [v for v in self.jaxpr.eqns[i].outvars if v not in self.outputs and v not in hidden]
-        return list(self.outputs) + hidden
+        if self.online is None:
+            return list(self.outputs) + hidden
+        after = {v for i in self.region.shift | self.region.final for v in self.jaxpr.eqns[i].outvars}
+        after |= {v for v, k in self.online.kinds.items() if k == FINAL}
+        maxima = [self.jaxpr.eqns[i].outvars[0] for i in self.online.maxima]
+        read_after = [v for i in sorted(self.region.reducing) for v in self.jaxpr.eqns[i].outvars
+                      if any(v in self.jaxpr.eqns[j].invars for j in self.region.final)]
+        visible = [v for v in self.outputs if v not in after]
+        return visible + [v for v in dict.fromkeys(maxima + read_after) if v not in visible] + hidden
+
+    @property
+    def online(self):
+        """The running maxima and shift program of an online region (``None`` otherwise)."""
+        return self.region.online
+
+    @functools.cached_property
+    def scales(self):
+        return Scales(self.jaxpr, self.region, self.online)
 
     @functools.cached_property
     def scatters(self) -> list[tuple[int, core.Var]]:
@@ -100,7 +118,8 @@ class LoopPlan:
         raise KeyError(var)
 
     # -- one step ------------------------------------------------------------------------------
-    def step_values(self, start, size: int, values: dict, scattered: dict | None = None) -> list:
+    def step_values(self, start, size: int, values: dict, scattered: dict | None = None,
+                    running: dict | None = None, carries: dict | None = None) -> list:
         """Partial results of one slice ``[start, start + size)``: one per output, plus an
         argmax/argmin's value for each such output (appended in output order). ``scattered`` holds
         the running result of each of :attr:`scatters` (by equation), scattered into here."""
@@ -121,17 +140,48 @@ class LoopPlan:
 
         env: dict = {}
         extras: dict = {}
+        new_carries: dict = {}
+        entries: dict = {}  # online: the shift program's values, clamped, as the region reads them
+        kinds = self.online.kinds if self.online is not None else {}
         for i in self.region.ordered():
             eqn = self.jaxpr.eqns[i]
+            if i in self.region.final or kinds.get(eqn.outvars[0]) == FINAL:
+                continue  # known after the loop
+            if self.online is not None and i in self.online.deferred:  # a factor applied after the loop
+                scaled = next(a for a in eqn.invars if kinds.get(a) not in (FINAL, None) or a in env)
+                env[eqn.outvars[0]] = env[scaled].astype(eqn.outvars[0].aval.dtype)
+                continue
+            if i in self.region.shift:
+                invals = [env[a] if isinstance(a, core.Var) and a in env else operand(i, pos, a)
+                          for pos, a in enumerate(eqn.invars)]
+                env.update(zip(eqn.outvars, bind_equation(eqn, invals)))
+                continue
             invals = [operand(i, pos, atom) for pos, atom in enumerate(eqn.invars)]
+            if self.online is not None:
+                for pos, atom in enumerate(eqn.invars):
+                    if isinstance(atom, core.Var) and atom in self.online.entries:
+                        if atom not in entries:
+                            entries[atom] = clamp(env[atom])
+                        invals[pos] = entries[atom]
             if i in scattered:
                 invals[0] = scattered[i]
             outs, extra = self._bind(i, eqn, invals, start, size)
+            if running is not None and eqn.outvars[0] in running:  # the running maximum (NaN first), its flags
+                outs = [combine(self.region.reducing[i], running[eqn.outvars[0]], outs[0])]
+            if i in self.region.scans:  # a cumulative op along the axis: the running total before this slice
+                monoid, reverse = self.region.scans[i]
+                axis = self.region.var_axis[eqn.outvars[0]]
+                outs = [combine(monoid, carries[i].astype(outs[0].dtype), outs[0])]
+                new_carries[i] = lax.slice_in_dim(outs[0], 0 if reverse else size - 1, 1 if reverse else size, axis=axis)
             env.update(zip(eqn.outvars, outs))
             if extra is not None:
                 extras[eqn.outvars[0]] = extra
         results = [env[v] for v in self.carried]
         results += [extras[v] for v in self.carried if v in extras]
+        if self.online is not None:
+            whole = {var: values[var] for var, axis in self.inputs if axis is None}
+            results += self.scales(entries, whole)
+        results += [new_carries[i] for i in sorted(self.region.scans)]
         return results
 
     def _bind(self, i: int, eqn, invals, start, size: int):
@@ -173,14 +223,22 @@ class LoopPlan:
         nested-split if asked."""
         names = self.input_vars
         scatter_eqns = [i for i, _ in self.scatters]
+        maxima = self.maxima
+
+        scans = sorted(self.region.scans)
 
         def step(start, *vals):
-            values, states = vals[:len(names)], vals[len(names):]
-            return self.step_values(start, size, dict(zip(names, values)), dict(zip(scatter_eqns, states)))
+            values, states = vals[:len(names)], vals[len(names):len(names) + len(scatter_eqns)]
+            rest = vals[len(names) + len(scatter_eqns):]
+            running = dict(zip(maxima, rest[:len(maxima)])) if self.online is not None else None
+            carries = dict(zip(scans, rest[len(maxima):]))
+            return self.step_values(start, size, dict(zip(names, values)), dict(zip(scatter_eqns, states)), running,
+                                    carries)
 
         if self.refine_step is None:
             return step
-        avals = [core.ShapedArray((), jnp.int32)] + [v.aval for v in names] + [v.aval for _, v in self.scatters]
+        avals = [core.ShapedArray((), jnp.int32)] + [v.aval for v in names] + [v.aval for _, v in self.scatters] \
+            + [v.aval for v in maxima] + [self._carry_aval(i) for i in scans]
         closed = trace_flat(step, avals, "split_step")
         refined = self.refine_step(closed)
         return core.jaxpr_as_fun(refined)
@@ -196,8 +254,17 @@ class LoopPlan:
         scattered = [v for _, v in self.scatters]
         values = dict(zip(self.input_vars, input_values))
 
-        def running(state):  # the scatters' running results, in self.scatters order
-            return [state[self.carried.index(v)] for v in scattered]
+        maxima = self.maxima
+        sums = [self.jaxpr.eqns[i].outvars[0] for i in self.online.sums] if self.online is not None else []
+        n_state = len(self.carried) + len(arg_outputs)
+
+        scans = sorted(self.region.scans)
+        n_scales = len(sums)
+        reverse = any(rev for _, rev in self.region.scans.values())
+
+        def running(state):  # the scatters' running results, the running maxima, the cumulative totals
+            return [state[self.carried.index(v)] for v in scattered] + [state[self.carried.index(v)] for v in maxima] \
+                + list(state[n_state + n_scales:])
 
         def accumulate(state, start, partial):
             new_state = list(state)
@@ -210,7 +277,14 @@ class LoopPlan:
                     new_state[k] = lax.dynamic_update_slice_in_dim(state[k], _like(partial[k], state[k]), start, axis)
                     continue
                 monoid = self.monoid_of(var)
-                if var in scattered:
+                if var in maxima:
+                    new_state[k] = partial[k]  # the step took the maximum with the state already
+                elif var in sums:
+                    m = sums.index(var)
+                    old_scale, new_scale = state[n_state + m], partial[n + len(arg_outputs) + m]
+                    new_state[k] = rescale(state[k], new_scale - old_scale) + partial[k].astype(state[k].dtype)
+                    new_state[n_state + m] = new_scale
+                elif var in scattered:
                     new_state[k] = partial[k]  # the slice was scattered into the running result
                 elif monoid in ELEMENTWISE_MONOIDS:
                     new_state[k] = combine(monoid, state[k], _like(partial[k], state[k]))
@@ -221,6 +295,8 @@ class LoopPlan:
                     i = self._producer(var)
                     top_k_done.add(i)
                     self._top_k_merge(i, state, new_state, partial)
+            if scans:
+                new_state[n_state + n_scales:] = partial[len(partial) - len(scans):]
             return new_state
 
         operands = [self._operand_value(i, values) for i, _ in self.scatters]
@@ -238,19 +314,73 @@ class LoopPlan:
             loop_from = 0
 
         def body(it, state):
-            start = (it * chunk).astype(jnp.int32)
+            start = ((full - 1 - it) * chunk if reverse else it * chunk).astype(jnp.int32)
             return accumulate(state, start, step(start, *input_values, *running(state)))
 
+        def tail(state):
+            start = jnp.int32(full * chunk)
+            return accumulate(state, start, self.step_function(remainder)(start, *input_values, *running(state)))
+
+        if sums:
+            state = state + [jnp.zeros(v.aval.shape, self.scales.dtype) for v in sums]
+        for i in scans:
+            aval = self._carry_aval(i)
+            state.append(jnp.full(aval.shape, _scan_identity(self.region.scans[i][0], aval.dtype), aval.dtype))
+        if remainder and reverse:  # a reverse cumulative op runs from the end: the short last slice first
+            state = tail(state)
         if full > loop_from and self.unroll:
             for it in range(loop_from, full):
                 state = body(jnp.int32(it), state)
         elif full > loop_from:
             state = lax.fori_loop(loop_from, full, body, state)
-        if remainder:
-            start = jnp.int32(full * chunk)
-            tail = self.step_function(remainder)(start, *input_values, *running(state))
-            state = accumulate(state, start, tail)
-        return [value.astype(var.aval.dtype) for value, var in zip(state, self.outputs)]
+        if remainder and not reverse:
+            state = tail(state)
+        if self.online is None:
+            return [value.astype(var.aval.dtype) for value, var in zip(state, self.outputs)]
+        return self._finish_online(state, values, sums, n_state)
+
+    def _carry_aval(self, i: int):
+        """The running total of cumulative op ``i``: its result with the split axis of length one."""
+        var = self.jaxpr.eqns[i].outvars[0]
+        shape = list(var.aval.shape)
+        shape[self.region.var_axis[var]] = 1
+        return core.ShapedArray(tuple(shape), var.aval.dtype)
+
+    @property
+    def maxima(self) -> list:
+        """Results of the running maxima of an online region (carried, taken with each slice)."""
+        return [self.jaxpr.eqns[i].outvars[0] for i in self.online.maxima] if self.online is not None else []
+
+    def _finish_online(self, state, values: dict, sums: list, n_state: int) -> list:
+        """The outputs of an online loop: the shift program on the final maxima (unclamped), and each
+        running sum brought from its last (clamped) scale to the scale of the true shift values."""
+        env = {v: state[self.carried.index(v)] for v in self.maxima}
+        for i in self.online.shift:
+            eqn = self.jaxpr.eqns[i]
+            invals = [a.val if isinstance(a, core.Literal) else env[a] if a in env else values[a] for a in eqn.invars]
+            env.update(zip(eqn.outvars, bind_equation(eqn, invals)))
+        whole = {var: values[var] for var, axis in self.inputs if axis is None}
+        entries = {v: env[v] for v in self.online.entries}
+        true_scales = self.scales(entries, whole)
+        for var in self.carried:
+            value = state[self.carried.index(var)]
+            if var in sums:
+                m = sums.index(var)
+                value = value * jnp.exp(true_scales[m] - state[n_state + m]).astype(value.dtype)
+            env[var] = value
+        if self.online.final:  # the final program on the sums, then each sum's deferred factor
+            for i in self.online.final:
+                eqn = self.jaxpr.eqns[i]
+                invals = [a.val if isinstance(a, core.Literal) else env[a] if a in env else values[a]
+                          for a in eqn.invars]
+                env.update(zip(eqn.outvars, bind_equation(eqn, [v.astype(a.aval.dtype) if hasattr(v, "astype")
+                                                                 and hasattr(a, "aval") else v
+                                                                 for v, a in zip(invals, eqn.invars)])))
+            finals = {v: env[v] for i in self.online.final for v in self.jaxpr.eqns[i].outvars}
+            factors = self.scales(entries, whole, finals)
+            for m, var in enumerate(sums):
+                env[var] = env[var] * factors[m].astype(env[var].dtype)
+        return [env[var].astype(var.aval.dtype) for var in self.outputs]
 
     def _monoid_or_none(self, var):
         return None if self.output_axis(var) is not None else self.monoid_of(var)
@@ -329,6 +459,12 @@ def _positive_nan(values):
     if not jnp.issubdtype(values.dtype, jnp.floating):
         return values
     return lax.select(lax.ne(values, values), lax.full_like(values, jnp.nan), values)
+
+
+def _scan_identity(monoid: str, dtype):
+    if monoid == "logaddexp":
+        return -jnp.inf
+    return identity(monoid, dtype)
 
 
 def _is_low_float(dtype) -> bool:

@@ -18,19 +18,22 @@ within the split size. Values that are program outputs are left alone.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax._src import core
 
+from hlopass.families import ELEMENTWISE
 from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes, dce
 
 from .rules import dim_map
 
 
-def staged_values(jaxpr: core.Jaxpr, large: int) -> list[core.Var]:
+def staged_values(jaxpr: core.Jaxpr, large: int, online: bool = False) -> list[core.Var]:
     """Large values (over ``large`` bytes, not program outputs) read in more than one stage and
-    recomputable from small values, in program order."""
+    recomputable from small values, in program order. With ``online``, a floating ``reduce_max``
+    starts no stage (one loop can carry a running maximum, see :mod:`.online`)."""
     graph = DataflowGraph(jaxpr)
-    stages = _Stages(jaxpr, graph, large)
+    stages = _Stages(jaxpr, graph, large, online)
     found = []
     for i, eqn in enumerate(jaxpr.eqns):
         for var in eqn.outvars:
@@ -41,7 +44,8 @@ def staged_values(jaxpr: core.Jaxpr, large: int) -> list[core.Var]:
     return found
 
 
-def recompute_for_later_stages(closed: core.ClosedJaxpr, var: core.Var, large: int) -> core.ClosedJaxpr:
+def recompute_for_later_stages(closed: core.ClosedJaxpr, var: core.Var, large: int,
+                               online: bool = False) -> core.ClosedJaxpr:
     """``closed`` where the readers of ``var`` in later stages read a copy computed again (one copy per
     further stage)."""
     jaxpr = closed.jaxpr
@@ -49,7 +53,7 @@ def recompute_for_later_stages(closed: core.ClosedJaxpr, var: core.Var, large: i
         graph = DataflowGraph(jaxpr)
         if var not in graph.producer:
             break
-        later = _Stages(jaxpr, graph, large).later_readers(var)
+        later = _Stages(jaxpr, graph, large, online).later_readers(var)
         cone = _cone(jaxpr, graph, graph.producer[var], large) if later else None
         if cone is None:
             break
@@ -68,12 +72,15 @@ class _Stages:
     grown from it would take in); readers at different levels are different stages.
     """
 
-    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, large: int):
+    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, large: int, online: bool = False):
         self.jaxpr, self.graph, self.large = jaxpr, graph, large
         self.level: dict = {}
         for eqn in jaxpr.eqns:
             here = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
             reduces = any(self._large(a) for a in eqn.invars) and not any(self._large(v) for v in eqn.outvars)
+            if online and eqn.primitive.name == "reduce_max" and jnp.issubdtype(eqn.outvars[0].aval.dtype,
+                                                                                jnp.floating):
+                reduces = False
             for var in eqn.outvars:
                 self.level[var] = here + 1 if reduces else here
         # The highest level met by each equation and, transitively, by the readers of its large results
@@ -113,9 +120,17 @@ def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[i
             return None
         cone.add(j)
         for atom in eqn.invars:
-            if isinstance(atom, core.Var) and aval_nbytes(atom.aval) > large and atom in graph.producer:
+            if isinstance(atom, core.Var) and atom in graph.producer and (
+                    aval_nbytes(atom.aval) > large or _elementwise_of_large(jaxpr.eqns[graph.producer[atom]], large)):
                 stack.append(graph.producer[atom])
     return sorted(cone)
+
+
+def _elementwise_of_large(eqn, large: int) -> bool:
+    """A small value computed element by element from a large one (a boolean mask from a large ``iota``):
+    copied with its stage, so that no large value stays shared between two stages."""
+    return eqn.primitive.name in ELEMENTWISE and any(
+        isinstance(a, core.Var) and aval_nbytes(a.aval) > large for a in eqn.invars)
 
 
 def _with_copy(jaxpr: core.Jaxpr, cone: list[int], later: list[int], var: core.Var):

@@ -18,7 +18,10 @@ a size-reducing equation (``dot_general``, ``reduce_*``, ``argmax``/``argmin``,
 
 Every region value carries the split axis, except the results of equations
 that reduce it (the loop combines their partial results with a monoid);
-those may only leave the region. An equation without a rule, or one that
+those may only leave the region, unless they are a running maximum read back
+through a *shift program* (small equations computed from it again in every
+step, :mod:`.online`). A cumulative op along the axis keeps it (the loop
+carries its running total). An equation without a rule, or one that
 cannot be sliced along the axis, makes the attempt :class:`Infeasible` and
 names the equation.
 """
@@ -34,6 +37,7 @@ from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 
+from .online import NotOnline, analyse, final_equations, running_reducers, shift_equations
 from .rules import SCATTER_MONOIDS, DimMap, dim_map
 
 #: Primitives a region may start from.
@@ -66,6 +70,10 @@ class SplitRegion:
     var_axis: dict[core.Var, int | None]             # region value -> its split dimension (None: reduced)
     operand_axis: dict[tuple[int, int], int | None]  # (equation, operand position) -> dimension
     reducing: dict[int, str]                         # equation -> monoid, where the axis is reduced
+    scans: dict[int, tuple[str, bool]] = dataclasses.field(default_factory=dict)  # cumulative op -> (monoid, reverse)
+    shift: set[int] = dataclasses.field(default_factory=set)  # shift program of a running maximum
+    final: set[int] = dataclasses.field(default_factory=set)  # final program: after the loop, from its sums
+    online: object = None                            # its :class:`.online.OnlineInfo`
 
     def ordered(self) -> list[int]:
         return sorted(self.eqns)
@@ -218,9 +226,52 @@ class _Grower:
             between = self._between(region)
             if not between:
                 break
+            shift = shift_equations(self.jaxpr, self.graph, region, between)
+            if shift:  # small values computed from a running maximum: evaluated again in each step
+                for i in shift:
+                    self._add_shift(region, i)
+                continue
+            final = final_equations(self.jaxpr, self.graph, region, between) if region.shift else []
+            if final:  # small values computed from the sums (softmax's 1 / s): once, after the loop
+                for i in final:
+                    self._add_shift(region, i)
+                    region.shift.discard(i)
+                    region.final.add(i)
+                continue
             queue.append((between[0], self._label_from_operands(region, between[0])))
         self._check(region)
+        if region.shift:
+            try:
+                region.online = analyse(self.jaxpr, region)
+            except NotOnline as err:
+                raise Infeasible(err.eqn_index, err.reason) from None
+        if region.scans:
+            self._check_scans(region)
         return region
+
+    def _check_scans(self, region: SplitRegion) -> None:
+        """Cumulative ops along the split axis: one direction, nothing a loop in order cannot carry."""
+        first = min(region.scans)
+        if len({reverse for _, reverse in region.scans.values()}) > 1:
+            raise Infeasible(first, "cumulative ops along the split axis in both directions")
+        if region.shift or any(m in ("top_k", "argmax", "argmin", *SCATTER_MONOIDS.values())
+                               for m in region.reducing.values()):
+            raise Infeasible(first, "a cumulative op along the split axis beside a running maximum, top-k, "
+                                    "arg-reduction or scatter")
+
+    @staticmethod
+    def _add_shift(region: SplitRegion, i: int) -> None:
+        region.eqns.add(i)
+        region.shift.add(i)
+        region.label[i] = None
+
+    def _add_shift_axes(self, region: SplitRegion) -> None:
+        for i in region.shift | region.final:
+            eqn = self.jaxpr.eqns[i]
+            for var in eqn.outvars:
+                region.var_axis[var] = None
+            for pos in range(len(eqn.invars)):
+                region.operand_axis[(i, pos)] = None
 
     def _add(self, region: SplitRegion, i: int, label, queue) -> None:
         if i in region.eqns:
@@ -235,6 +286,8 @@ class _Grower:
         region.label[i] = label
         if label in dm.reduced:
             region.reducing[i] = dm.reduced[label]
+        if label in dm.scanned:
+            region.scans[i] = dm.scanned[label]
         for k, var in enumerate(eqn.outvars):
             axis = dm.out_axis(label, k)
             if axis is None and i not in region.reducing:
@@ -297,10 +350,18 @@ class _Grower:
         return sorted((out & back) - region.eqns)
 
     def _check(self, region: SplitRegion) -> None:
+        self._add_shift_axes(region)
+        online = {v for i in region.shift | region.final for v in self.jaxpr.eqns[i].outvars}
+        if region.shift:
+            online |= {v for i in running_reducers(self.jaxpr, region) for v in self.jaxpr.eqns[i].outvars}
         for i in region.ordered():
+            if i in region.final:
+                continue  # reads the loop's results, after it
             for pos, atom in enumerate(self.jaxpr.eqns[i].invars):
                 if isinstance(atom, core.Var) and atom in region.var_axis:
                     have, want = region.var_axis[atom], region.operand_axis[(i, pos)]
+                    if atom in online and want is None:
+                        continue
                     if have is None:
                         raise Infeasible(i, "needs a value reduced over the split axis (that would take two passes)")
                     if have != want:

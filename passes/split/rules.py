@@ -41,6 +41,8 @@ class DimMap:
     ins: list[list[Label | None]]
     outs: list[list[Label | None]]
     reduced: dict[Label, str] = dataclasses.field(default_factory=dict)
+    #: labels a cumulative op accumulates along: (monoid, reverse); a loop along one carries the running total
+    scanned: dict[Label, tuple[str, bool]] = dataclasses.field(default_factory=dict)
 
     def out_axis(self, label: Label, k: int = 0) -> int | None:
         """Dimension of result ``k`` carrying ``label`` (``None`` if absent)."""
@@ -66,7 +68,7 @@ def _shape(atom) -> tuple[int, ...]:
 
 #: Primitives that keep every dimension but one (the parameter named here), along which they
 #: are not splittable.
-ALONG_AXIS = {**{name: "axis" for name in CUMULATIVE}, "sort": "dimension"}
+ALONG_AXIS = {"sort": "dimension"}
 
 
 def _elementwise(eqn) -> DimMap:
@@ -164,6 +166,15 @@ def _along_axis(eqn) -> DimMap:
     rank = len(_shape(eqn.invars[0]))
     labels = [None if d == axis else d for d in range(rank)]
     return DimMap([list(labels) for _ in eqn.invars], [list(labels) for _ in eqn.outvars])
+
+
+def _cumulative(eqn) -> DimMap:
+    # Parallel along every other dimension; along ``axis`` a loop over slices carries the running total
+    # (the last element of each slice, the first with ``reverse``) into the next slice.
+    rank = len(_shape(eqn.invars[0]))
+    labels = list(range(rank))
+    return DimMap([list(labels)], [list(labels)],
+                  scanned={eqn.params["axis"]: (CUMULATIVE[eqn.primitive.name], bool(eqn.params["reverse"]))})
 
 
 def _top_k(eqn) -> DimMap:
@@ -294,6 +305,7 @@ AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
     **{name: _elementwise for name in ELEMENTWISE},
     **{name: _reduction for name in (*REDUCTIONS, *ARG_REDUCTIONS)},
     **{name: _along_axis for name in ALONG_AXIS},
+    **{name: _cumulative for name in CUMULATIVE},
     "broadcast_in_dim": _broadcast_in_dim,
     "iota": _iota,
     "transpose": _transpose,
@@ -374,9 +386,10 @@ def identity(monoid: str, dtype):
 
 
 def combine(monoid: str, acc, part):
-    """``acc ⊕ part`` for the elementwise monoids."""
+    """``acc ⊕ part`` for the elementwise monoids (and ``logaddexp``, a running ``cumlogsumexp``)."""
     from jax import lax
+    import jax.numpy as jnp
     ops = {"add": lax.add, "mul": lax.mul, "max": lax.max, "min": lax.min,
-           "and": lax.bitwise_and, "or": lax.bitwise_or, "xor": lax.bitwise_xor}
+           "and": lax.bitwise_and, "or": lax.bitwise_or, "xor": lax.bitwise_xor, "logaddexp": jnp.logaddexp}
     return ops[monoid](acc, part)
 
