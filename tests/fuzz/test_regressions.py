@@ -144,6 +144,19 @@ def test_expanded_distance_tanh_argmax_ties():
     np.testing.assert_array_equal(np.asarray(ours(x, y)), np.asarray(jax.jit(fn)(x, y)))
 
 
+@pytest.mark.xfail(strict=True, reason="algebraic: an Inf and a NaN in the points of an expanded squared distance "
+                                       "followed by products move NaN (fuzzer seed 9, program 6)")
+def test_expanded_distance_with_inf_and_nan_then_products():
+    x, y = normal(223, 4), normal(863, 4)
+    w, big_w = normal(863), normal(863, 3)
+    x[5, 1], x[17, 2], x[40, 0] = np.inf, -np.inf, np.nan
+    fn = lambda x, y, w, big_w: (jnp.sum((x[:, None, :] - y[None]) ** 2, -1) * w[None, :]) @ big_w  # noqa: E731
+    ours = hlopass.jit(fn, threshold=64000, split_size=32000)
+    assert ours.trace(x, y, w, big_w).report.rewrites
+    got, want = np.asarray(ours(x, y, w, big_w)), np.asarray(jax.jit(fn)(x, y, w, big_w))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
 # --------------------------------------------------------------------------------------- matrix_chain
 @pytest.mark.xfail(strict=True, reason="matrix_chain: reordering a chain whose operand holds an infinity moves "
                                        "NaN (inf - inf in one order, ±inf in the other; fuzzer seeds 9 and 40)")
