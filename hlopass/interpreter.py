@@ -182,3 +182,42 @@ def rewrite_nested(closed: core.ClosedJaxpr, level: Callable[[core.ClosedJaxpr],
         candidate = rewrite(closed, eqn_rule=tracking_rule)
         inner = candidate if changed else closed
     return level(inner)
+
+
+def written_between(closed: core.ClosedJaxpr, inputs: Sequence[core.Var],
+                    outputs: Sequence[core.Var]) -> Callable[..., list[Any]]:
+    """A function ``(*values of inputs) -> values of outputs`` that re-runs, as written, the
+    equations of ``closed`` that ``outputs`` depend on, starting from ``inputs``.
+
+    Raises ``ValueError`` if ``outputs`` depend on a variable of ``closed`` that is neither in
+    ``inputs`` nor computed from them (a constant of ``closed`` is read from its value).
+    """
+    jaxpr = closed.jaxpr
+    consts = dict(zip(jaxpr.constvars, closed.consts))
+    producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+    stop = {v for v in inputs if isinstance(v, core.Var)}
+    needed: set[int] = set()
+    todo = [v for v in outputs if isinstance(v, core.Var)]
+    seen: set = set()
+    while todo:
+        var = todo.pop()
+        if var in seen or var in stop or var in consts:
+            continue
+        seen.add(var)
+        if var not in producer:
+            raise ValueError(f"{var} is read but is not among the inputs")
+        i = producer[var]
+        if i not in needed:
+            needed.add(i)
+            todo += [a for a in jaxpr.eqns[i].invars if isinstance(a, core.Var)]
+    eqns = [jaxpr.eqns[i] for i in sorted(needed)]
+
+    def run(*values):
+        env: dict = dict(consts)
+        env.update((v, value) for v, value in zip(inputs, values) if isinstance(v, core.Var))
+        read = lambda atom: atom.val if isinstance(atom, core.Literal) else env[atom]  # noqa: E731
+        for eqn in eqns:
+            for var, value in zip(eqn.outvars, bind_equation(eqn, [read(a) for a in eqn.invars])):
+                env[var] = value
+        return [read(v) for v in outputs]
+    return run

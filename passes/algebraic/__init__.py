@@ -53,14 +53,16 @@ import numpy as np
 from jax._src import core
 
 from hlopass.families import INLINABLE
-from hlopass.interpreter import Replacement, at_source_of, bind_equation, evaluate, rewrite, rewrite_nested
+from hlopass.finite import SPLITS_REGIONS, finite_or_written, why_unguarded
+from hlopass.interpreter import (Replacement, at_source_of, bind_equation, evaluate, rewrite, rewrite_nested,
+                                 written_between)
 from hlopass.jaxpr_utils import aval_nbytes, aval_str, call_body, iter_eqns, map_subjaxprs, trace_flat
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport, source_line
 from hlopass.sizes import format_size
 
 from . import guards
-from .expansion import (EXPANSION_RULES, Expander, Expansion, ExpansionLimits, Internal, NoMatch, Scope,
+from .expansion import (EXPANSION_RULES, Expander, Expansion, ExpansionLimits, Internal, NoMatch, Scope, unify,
                         check_emittable, emit)
 
 ROOT_PRIMITIVES = ("reduce_sum", "dot_general", "cond")
@@ -83,6 +85,10 @@ class Candidate:
     written: Expansion | None = None
     #: how an inexact expansion is emitted (``None`` for an exact one)
     plan: guards.Plan | None = None
+    #: the written program, re-run when the rewritten value is not finite (``None``: no guard)
+    written_program: object = None
+    #: why there is no such guard where one would matter (said in the report)
+    caveat: str | None = None
 
     @property
     def exact(self) -> bool:
@@ -93,12 +99,43 @@ class Candidate:
         return self.kind == "squared_distance" if self.plan is None else self.plan.sign != 0
 
     def build(self, *values):
+        fast = self.build_rewritten(*values)
+        if self.written_program is None:
+            return fast
+        return finite_or_written(fast, self.written_program, values)
+
+    def build_rewritten(self, *values):
         out = self.eqn.outvars[0].aval
         if self.plan is not None:
             return [guards.emit_planned(self.plan, self.expansion, list(values), self.output_labels,
                                         self.expander.label_sizes, tuple(out.shape), out.dtype)]
         return [emit(self.expansion, list(values), self.output_labels, self.expander.label_sizes,
                      tuple(out.shape), out.dtype, clamp_at_zero=self.clamp)]
+
+
+def same_products(expansion: Expansion, output_labels: tuple) -> bool:
+    """Whether the emitted einsum forms the products the written program forms (one monomial, every
+    summed label, after the diagonals' deltas, in every factor): then Inf and NaN land where they
+    land in the written program, in any summation order. Otherwise sums are multiplied out or
+    factored (``Σa·Σb``), which IEEE arithmetic does not do alike for infinities (``Inf·0``)."""
+    if len(expansion.monomials) != 1:
+        return False
+    (m,) = expansion.monomials
+    rep, summed = unify(m, {lab for lab in output_labels if lab is not None})
+    return all(all(label in {rep.get(lab, lab) for lab in f.labels} for f in m.factors) for label in summed)
+
+
+def finite_guard(closed: core.ClosedJaxpr, c: Candidate, threshold: int | None, splitter: str | None):
+    """The written program ``c`` falls back to when its value is not finite (see :mod:`hlopass.finite`),
+    or a reason there is none: its products are the written ones, its result is over the threshold
+    (a branch around it would hide it from the split pass), or nothing would bound the written
+    program in its branch."""
+    if same_products(c.expansion, c.output_labels):
+        return None, None
+    caveat = why_unguarded(c.eqn.outvars[0].aval, c.removed.nbytes, threshold, splitter)
+    if caveat:
+        return None, caveat
+    return written_between(closed, list(c.expander.sources), list(c.eqn.outvars)), None
 
 
 #: Primitives of a plain chain of products and sums (what the matrix-chain pass reorders).
@@ -287,6 +324,13 @@ class AlgebraicPass(Pass):
         candidates = keep_effective(jaxpr, found, report)
         if not candidates:
             return closed
+        splitter = self.later_provides(SPLITS_REGIONS)
+        for c in candidates:
+            try:
+                c.written_program, caveat = finite_guard(closed, c, config.threshold, splitter)
+            except Exception as err:  # noqa: BLE001 - the rewrite stands, without the guard
+                caveat = f"no written program to fall back on for non-finite values ({type(err).__name__}: {err})"
+            c.caveat = caveat
         try:
             new = rewrite(closed, [_replacement(c) for c in candidates], name="algebraic")
         except Exception:  # noqa: BLE001 - find the roots whose emission fails; rewrite the others
@@ -300,12 +344,15 @@ class AlgebraicPass(Pass):
                 return closed
             new = rewrite(closed, [_replacement(c) for c in candidates], name="algebraic")
         for c in candidates:
-            report.rewrite(c.kind, _location(jaxpr, c.index, c.expander), _summary(c),
+            summary = _summary(c) + (f"; Inf/NaN {c.caveat}" if c.caveat else "")
+            report.rewrite(c.kind, _location(jaxpr, c.index, c.expander), summary,
                            removed_type=aval_str(c.removed.var.aval),
                            removed_bytes=c.removed.nbytes, terms=len(c.expansion.monomials),
                            clamped=c.clamp, exact=c.exact, centred=bool(c.plan and c.plan.shifts),
-                           plain_inf_nan=c.exact or bool(c.plan and c.plan.squares),
-                           exact_diagonal=bool(c.plan and c.plan.diagonal))
+                           plain_inf_nan=(c.written_program is not None or same_products(c.expansion, c.output_labels)
+                                          or bool(c.plan and c.plan.squares)),
+                           exact_diagonal=bool(c.plan and c.plan.diagonal),
+                           finite_guard=c.written_program is not None)
         return new
 
 

@@ -743,7 +743,7 @@ def _platform_cond(ex, eqn, scope, position, labels):
 # Emitting an expansion
 # --------------------------------------------------------------------------------------------
 
-def _unify(monomial: Monomial, output_labels: set) -> tuple[dict, frozenset]:
+def unify(monomial: Monomial, output_labels: set) -> tuple[dict, frozenset]:
     """Apply the deltas: ``(label -> representative, summed labels left)``; refuses δ between two outputs."""
     parent: dict[int, int] = {}
 
@@ -769,7 +769,7 @@ def check_emittable(expansion: Expansion, output_labels: tuple) -> None:
     """Raise :class:`NoMatch` when :func:`emit` could not write ``expansion`` as einsums."""
     outputs = {lab for lab in output_labels if lab is not None}
     for m in expansion.monomials:
-        mapping, summed = _unify(m, outputs)
+        mapping, summed = unify(m, outputs)
         for f in m.factors:
             for lab in f.labels:
                 lab = mapping.get(lab, lab)
@@ -806,7 +806,7 @@ def add_terms(terms: list, out_shape: tuple, dtype):
 
 
 def _emit_monomial(m: Monomial, values, output_labels, outputs, label_sizes, out_shape, dtype):
-    mapping, summed = _unify(m, outputs)
+    mapping, summed = unify(m, outputs)
     operands, subscripts, scalar = [], [], jnp.asarray(m.coeff, dtype)
     unit = m.coeff == 1.0
     used: set[int] = set()

@@ -34,8 +34,9 @@ import numpy as np
 from jax._src import core
 
 from hlopass.config import DEFAULT_MIN_GAIN, Config
+from hlopass.finite import SPLITS_REGIONS, finite_or_written, why_unguarded
 from hlopass.graph import DataflowGraph
-from hlopass.interpreter import Replacement, rewrite
+from hlopass.interpreter import Replacement, rewrite, written_between
 from hlopass.jaxpr_utils import dce, trace_flat
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
@@ -76,6 +77,7 @@ class MatrixChainPass(Pass):
         graph = DataflowGraph(live)
         replacements = []
         options = self.options
+        splitter = self.later_provides(SPLITS_REGIONS)
         try:
             inline = shared_worth_inlining(graph, options=options, min_gain=config.min_gain)
         except Exception as err:  # noqa: BLE001 - a failure here must not cost the level's other chains
@@ -106,10 +108,17 @@ class MatrixChainPass(Pass):
                 if plan.why:
                     report.skip(root, "dot_general", f"chain {network.original_expression}: {plan.why}")
                 continue
+            build = functools.partial(_emit, network, plan.path)
+            caveat = why_unguarded(root.outvars[0].aval, plan.peak_before, config.threshold, splitter)
+            if caveat is None:
+                try:
+                    build = functools.partial(_guarded, build, written_between(live, network.atoms, [root.outvars[0]]))
+                except ValueError as err:
+                    caveat = f"no written program to fall back on for non-finite values ({err})"
             replacements.append(Replacement(
-                eqns=network.eqns, inputs=network.atoms, outputs=[root.outvars[0]],
-                build=functools.partial(_emit, network, plan.path), anchor=network.root))
-            _report(report, root, network, plan)
+                eqns=network.eqns, inputs=network.atoms, outputs=[root.outvars[0]], build=build,
+                anchor=network.root))
+            _report(report, root, network, plan, caveat)
         if not replacements:
             return closed
         return rewrite(live, replacements, name="matrix_chain")
@@ -171,7 +180,13 @@ def _emit(network: Network, path: Path, *values):
     return [contract(network, path, values)]
 
 
-def _report(report: PassReport, root, network: Network, plan: Plan) -> None:
+def _guarded(build, written, *values):
+    """The reordered chain where its result is finite, else the chain as written (see
+    :mod:`hlopass.finite`): IEEE infinities make ``(A·B)·C`` and ``A·(B·C)`` differ (``Inf·0``)."""
+    return finite_or_written(build(*values), written, values)
+
+
+def _report(report: PassReport, root, network: Network, plan: Plan, caveat: str | None = None) -> None:
     n_factors = sum(not op.is_ones for op in network.operands)
     shared = ""
     if network.shared_eqns:
@@ -181,8 +196,9 @@ def _report(report: PassReport, root, network: Network, plan: Plan) -> None:
         "reorder", root,
         f"chain of {n_factors} factors {network.original_expression} -> {describe_path(network, plan.path)}: "
         f"{plan.flops_before:.3g} -> {plan.flops_after:.3g} FLOPs, peak intermediate "
-        f"{format_size(plan.peak_before)} -> {format_size(plan.peak_after)}{shared}",
-        shared_equations=len(network.shared_eqns),
+        f"{format_size(plan.peak_before)} -> {format_size(plan.peak_after)}{shared}"
+        + (f"; Inf/NaN {caveat}" if caveat else ""),
+        shared_equations=len(network.shared_eqns), finite_guard=caveat is None,
         flops_before=plan.flops_before, flops_after=plan.flops_after,
         peak_intermediate_before=plan.peak_before, peak_intermediate_after=plan.peak_after,
         einsum=network.subscripts, order=describe_path(network, plan.path),

@@ -99,6 +99,8 @@ class SplitPass(Pass):
 
     name = "split"
     Options = SplitOptions
+    #: Regions over the threshold, wherever they are written (branch bodies too), become loops.
+    provides = frozenset({"split_regions"})
 
     def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
         new, report = self.run_once(closed, config)

@@ -161,12 +161,17 @@ def observed_reports():
         hlopass.call.run_pipeline = original
 
 
-def execute(batch: Batch):
-    """Run ``batch`` both ways: ``(got, want, reports, float_pos, offsets)``."""
+def execute(batch: Batch, reference_only: bool = False, widen: bool = False, perturb: bool = False):
+    """Run ``batch`` both ways: ``(got, want, reports, float_pos, offsets, mode)``. ``widen`` runs the
+    programs on inputs of the next wider float type (16-bit -> float32 -> float64, with x64 on), the
+    reference only (``reference_only``)."""
     programs = batch.programs
     F, offsets = _combined(programs)
     lead = (2,) if batch.mode.startswith("vmap") else ()
     flat = [a for p in programs for a in p.make_inputs(lead)]
+    if widen:
+        jitter = np.random.default_rng(0)
+        flat = [_widened(a, jitter if perturb else None) for a in flat]
     specs = [s for p in programs for s in p.inputs]
     float_pos = float_inputs(specs)
     mode = batch.mode if float_pos or not batch.mode.startswith("grad") else "value"
@@ -185,9 +190,71 @@ def execute(batch: Batch):
     else:
         raise ValueError(mode)
     want = jax.device_get(ref(*flat))
+    if reference_only:
+        return None, want, [], float_pos, offsets, mode
     with observed_reports() as reports:
         got = jax.device_get(ours(*flat))
     return got, want, reports, float_pos, offsets, mode
+
+
+#: Leaves found ill-conditioned by :func:`as_accurate` (jax.jit itself off the wider run), for the summary.
+ILL_CONDITIONED: list[str] = []
+#: The wider type a program is re-run in to judge a difference from ``jax.jit`` (:func:`as_accurate`).
+WIDER = {"float16": np.float32, "bfloat16": np.float32, "float32": np.float64}
+
+
+def _widened(a: np.ndarray, jitter: np.random.Generator | None) -> np.ndarray:
+    """``a`` in its wider type; with ``jitter``, each entry moved by about one rounding step of its own type."""
+    if a.dtype.name not in WIDER:
+        return a
+    wide = a.astype(WIDER[a.dtype.name])
+    if jitter is not None:
+        wide = wide * (1 + float(jnp.finfo(a.dtype).eps) * jitter.standard_normal(a.shape)).astype(wide.dtype)
+    return wide
+
+
+def wider_reference(batch: Batch, index: int, perturb: bool = False):
+    """``jax.jit``'s values (and gradients) of program ``index`` run in the next wider float type
+    (``perturb``: on inputs moved by about one rounding step of their own type)."""
+    single = dataclasses.replace(batch, programs=[batch.programs[index]])
+    with jax.enable_x64(True):
+        _, want, _, _, _, mode = execute(single, reference_only=True, widen=True, perturb=perturb)
+    if mode.startswith("grad"):
+        return want[0][0], want[1]
+    return want[0], None
+
+
+def as_accurate(got, want, wide, jittered, where: str = "") -> str | None:
+    """``None`` when ``got`` is as close to ``wide`` (the program run in a wider type) as plain
+    ``jax.jit``'s ``want`` is, within a factor of 2 and the dtype's tolerance of the wide values'
+    scale; or when the program is ill-conditioned in its type (rounding decides, e.g. a softmax of
+    bfloat16 logits in the thousands, whose rounding step is 16): ``jax.jit`` itself, or the wide run
+    on inputs moved by one rounding step (``jittered``), is farther than that tolerance from the wide
+    values. Else what differs."""
+    problems = []
+    leaves = zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, wide, jittered)))
+    for k, (g, w, h, j) in enumerate(leaves):
+        g, w = np.asarray(g), np.asarray(w)
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            continue
+        g64, w64, h64, j64 = (np.asarray(a, np.float64) for a in (g, w, h, j))
+        if h64.shape != w64.shape or j64.shape != w64.shape:
+            return f"{where}[{k}]: the wider run has shape {h64.shape}"
+        ok = np.isfinite(g64) & np.isfinite(w64) & np.isfinite(h64) & np.isfinite(j64)
+        if not ok.any():
+            continue
+        scale = max(float(np.max(np.abs(h64[ok]))), 1e-30)
+        ours, plains = np.abs(g64[ok] - h64[ok]).max(), np.abs(w64[ok] - h64[ok]).max()
+        spread = np.abs(j64[ok] - h64[ok]).max()
+        tol = TOLERANCE[w.dtype.name] * scale
+        if max(plains, spread) > tol:
+            ILL_CONDITIONED.append(f"{where}[{k}]: one rounding step of the inputs moves the {h.dtype} run by "
+                                   f"{spread:.3g}, jax.jit is {plains:.3g} from it, hlopass {ours:.3g} "
+                                   f"(tolerance {tol:.3g})")
+            continue
+        if ours > 2 * plains + tol:
+            problems.append(f"{where}[{k}]: hlopass is {ours:.3g} from the {h.dtype} run, jax.jit {plains:.3g}")
+    return "; ".join(problems) or None
 
 
 def compare(got, want, where: str = "", dtype: str = "float64", gradient: bool = False) -> str | None:
@@ -264,17 +331,38 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
     if mode.startswith("grad"):
         (got, grads_got), (want, grads_want) = got, want
     for i, program in enumerate(batch.programs):
+        mine = [j for j, k in enumerate(float_pos) if offsets[i] <= k < offsets[i + 1]]
         problem = compare(got[i], want[i], "values", program.dtype, gradient=program.has("wrap:grad"))
         if problem is None and grads_got is not None:
-            for j, k in enumerate(float_pos):
-                if offsets[i] <= k < offsets[i + 1]:
-                    problem = compare(grads_got[j], grads_want[j], f"d/d input {k - offsets[i]}",
-                                      program.dtype, gradient=True)
-                    if problem:
-                        break
+            for j in mine:
+                problem = compare(grads_got[j], grads_want[j], f"d/d input {float_pos[j] - offsets[i]}",
+                                  program.dtype, gradient=True)
+                if problem:
+                    break
+        if problem and "NaN" not in problem and "infinit" not in problem and "integer" not in problem \
+                and program.dtype in WIDER:
+            problem = _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, problem)
+            if problem is None:
+                result["as_accurate"] = result.get("as_accurate", 0) + 1
         if problem:
             result["failures"].append(_failure(batch, program, problem))
     return result
+
+
+def _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, problem) -> str | None:
+    """``None`` when program ``i``'s difference from ``jax.jit`` is rounding: hlopass is as close as
+    ``jax.jit`` to the program run in a wider type (:func:`as_accurate`); else ``problem`` and why."""
+    try:
+        wide_values, wide_grads = wider_reference(batch, i)
+        jit_values, jit_grads = wider_reference(batch, i, perturb=True)
+    except Exception as err:  # noqa: BLE001 - no wider run, the difference stands
+        return f"{problem} (no wider run: {type(err).__name__})"
+    label = batch.programs[i].label
+    verdict = as_accurate(got[i], want[i], wide_values, jit_values, f"{label} values")
+    if verdict is None and grads_got is not None:
+        verdict = as_accurate([grads_got[j] for j in mine], [grads_want[j] for j in mine], wide_grads, jit_grads,
+                              f"{label} gradients")
+    return None if verdict is None else f"{problem}; {verdict}"
 
 
 def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "") -> dict:
@@ -310,7 +398,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
               exclusions: bool = True) -> dict:
     total = {"seeds": [str(s) for s in seeds], "programs": 0, "rewrites": collections.Counter(), "failures": [],
              "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter(),
-             "fast_flag_only": []}
+             "fast_flag_only": [], "as_accurate": 0}
     start = time.perf_counter()
     for seed in seeds:
         batch = draw_batch(seed, size, only, exclusions)
@@ -325,6 +413,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
         total["programs"] += result["programs"]
         total["rewrites"].update(result["rewrites"])
         total["excluded"].update(result["excluded"])
+        total["as_accurate"] += result.get("as_accurate", 0)
         if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
             confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions)
             for f in result["failures"]:
@@ -338,6 +427,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
             for f in result["failures"]:
                 print(f"  FAIL {f['program']}\n       {f['problem']}\n{f['traceback']}")
     total["seconds"] = time.perf_counter() - start
+    total["ill_conditioned"] = list(ILL_CONDITIONED)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     total["cpu_seconds"] = usage.ru_utime + usage.ru_stime
     return total

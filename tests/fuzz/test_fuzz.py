@@ -73,7 +73,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         procs.append((out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, text=True)))
     total = {"programs": 0, "failures": [], "rewrites": collections.Counter(), "excluded": collections.Counter(),
-             "modes": collections.Counter(), "fast_flag_only": []}
+             "modes": collections.Counter(), "fast_flag_only": [], "as_accurate": 0, "ill_conditioned": []}
     logs = []
     for out, proc in procs:
         log, _ = proc.communicate(timeout=1800)
@@ -84,6 +84,8 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         total["programs"] += part["programs"]
         total["failures"] += part["failures"]
         total["fast_flag_only"] += part["fast_flag_only"]
+        total["as_accurate"] += part.get("as_accurate", 0)
+        total["ill_conditioned"] += part.get("ill_conditioned", [])
         for key in ("rewrites", "excluded", "modes"):
             total[key].update(part[key])
     seconds = time.perf_counter() - start
@@ -94,6 +96,9 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         "rewrites fired: " + ", ".join(f"{k} {v}" for k, v in sorted(total["rewrites"].items(), key=lambda kv: -kv[1])),
         "programs redrawn by known-defect exclusions: "
         + (", ".join(f"{k} {v}" for k, v in sorted(total["excluded"].items())) or "none"),
+        f"differences judged rounding (hlopass as close as jax.jit to the program run in a wider type): "
+        f"{total['as_accurate']}, of them ill-conditioned leaves (jax.jit itself off the wider run): "
+        f"{len(total['ill_conditioned'])}" + "".join(f"\n  {line}" for line in total["ill_conditioned"]),
         f"differences seen only at {runner.FAST_FLAG} (not failures): {len(total['fast_flag_only'])}"
         + "".join(f"\n  {f['program']}: {f['problem']} ({f['reproduce']})" for f in total["fast_flag_only"]),
         f"fresh seeds this run: {','.join(fresh) or '-'}",
@@ -158,3 +163,15 @@ def test_compare_catches_what_it_must():
     assert runner.compare(np.array([np.inf, 1], np.float32), np.array([-np.inf, 1], np.float32)) is not None
     assert runner.compare(np.array([1, 2], np.int32), np.array([2, 1], np.int32)) is not None
     assert runner.compare((ones,), (ones, ones)) is not None
+
+
+def test_as_accurate_tells_rounding_from_a_wrong_value():
+    """The wider-run judgement passes hlopass only when it is as close as jax.jit to the wider run, or when
+    one rounding step of the inputs moves the wider run by more than the tolerance (ill-conditioned)."""
+    import numpy as np
+    wide = np.array([1.0, 2.0, 3.0])
+    plain = (wide + 1e-5).astype(np.float32)
+    assert runner.as_accurate(plain + np.float32(1e-5), plain, wide, wide) is None       # as close as plain
+    assert runner.as_accurate(plain + np.float32(0.5), plain, wide, wide) is not None    # a wrong value
+    jittered = wide + 0.5                                                                 # ill-conditioned
+    assert runner.as_accurate(plain + np.float32(0.5), plain, wide, jittered) is None

@@ -1,0 +1,63 @@
+"""The finite guard: a rewrite's values where they are all finite, the written program's otherwise.
+
+A rewrite that multiplies sums out or factors them (``Σ_nm a_n·b_m = Σa·Σb``, a reordered matrix
+chain) is exact for finite numbers, but IEEE arithmetic on infinities is not distributive:
+``Inf·0`` is NaN in one order and ``Inf`` in the other. An infinity or a NaN reaching such a sum
+makes its result non-finite in every order (a product with an infinity is ±Inf or NaN, a sum with
+one is too), so the rewritten value is checked once it is computed: finite everywhere, it is the
+answer; otherwise the written program is run as JAX would run it (a branch taken only then), and its
+non-finite entries are plain JAX's. The check reads only the rewrite's (small) result. The branch is
+emitted only where it costs no memory the rewrite saved (:func:`why_unguarded`); elsewhere an infinity
+may give NaN where plain JAX gives ±Inf, or the other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from hlopass.jaxpr_utils import aval_nbytes, aval_str
+from hlopass.sizes import format_size
+
+
+def finite_or_written(fast: Sequence[Any], written: Callable[..., Sequence[Any]], operands: Sequence[Any]) -> list:
+    """``fast`` (a rewrite's values) if every floating one is finite everywhere, else
+    ``written(*operands)``, in a ``lax.cond`` (only the branch taken runs). Values keep the types
+    ``written`` gives them."""
+    fast = list(fast)
+    checks = [jnp.all(jnp.isfinite(v)) for v in fast if jnp.issubdtype(jnp.result_type(v), jnp.inexact)]
+    if not checks:
+        return fast
+    ok = functools.reduce(jnp.logical_and, checks)
+    shapes = [np.shape(v) for v in fast]
+
+    def keep(*_):
+        return fast
+
+    def rerun(*args):
+        outs = list(written(*args))
+        return [jnp.asarray(o).astype(jnp.result_type(f)).reshape(s) for o, f, s in zip(outs, fast, shapes)]
+    return list(lax.cond(ok, keep, rerun, *operands))
+
+
+#: The capability of a later pass that bounds the written program kept for non-finite values.
+SPLITS_REGIONS = "split_regions"
+
+
+def why_unguarded(result_aval, written_peak_bytes: int, threshold: int | None, splitter: str | None) -> str | None:
+    """Why a rewrite gets no finite guard, or ``None`` when it gets one: the written program peaks
+    over the threshold and a later pass (``splitter``) splits it in the guard's branch, so the branch
+    holds at most a split step (a branch keeping a smaller written program whole would hold memory
+    the rewrite saved); and the result is at most the threshold (a branch around a larger one would
+    hide it from the split pass, which must split its readers)."""
+    if threshold is not None and aval_nbytes(result_aval) > threshold:
+        return f"not guarded: the {aval_str(result_aval)} result is over the threshold"
+    if threshold is None or written_peak_bytes <= threshold:
+        return f"not guarded: the written form ({format_size(written_peak_bytes)}) is under the threshold"
+    if splitter is None:
+        return "not guarded: no later pass splits the written form"
+    return None
