@@ -106,7 +106,8 @@ _measured_by_caller: contextvars.ContextVar = contextvars.ContextVar("hlopass_me
 
 def _lowering(ctx, *args, jaxpr, config, name, notes):
     # the passes see how the jit arguments are sharded, and re-trace inside shard_map with its axes bound
-    with sharding.inputs_sharded(sharding.operand_shards(ctx, args)), sharding.manual_context(ctx):
+    with sharding.inputs_sharded(sharding.operand_shards(ctx, args), sharding.operand_shardings(ctx, args)), \
+            sharding.manual_context(ctx):
         result = run_pipeline(jaxpr, config, label=name, notes=notes)
     whole = _measured_by_caller.get()
     if whole is not None and whole.result is None:

@@ -14,6 +14,8 @@ from hlopass import settings, sharding
 from hlopass.passes.split import SplitPass, sharded_values
 
 N, M = 400, 301
+#: Rows sharded 4 ways: each device's share of the (4N, M, 3) difference is that of the unsharded (N, M, 3) one.
+ROWS4 = ((4 * N, 3), (M, 3), (M,))
 CONFIG = settings.resolve({"threshold": "400kB", "split_size": "200kB", "passes": "split"})
 
 
@@ -44,34 +46,46 @@ def run_split(closed):
 
 
 def test_explicit_rows_sharded_splits_the_other_axis():
-    new, report = run_split(traced(kmv, [P("x"), P(), P()]))
+    new, report = run_split(traced(kmv, [P("x"), P(), P()], shapes=ROWS4))
     assert split_axes(report) == [(1, M)]
-    assert str(new.out_avals[0]) == "float32[400@x]"
+    assert str(new.out_avals[0]) == f"float32[{4 * N}@x]"
 
 
-def test_unsharded_program_splits_the_rows():
-    """The same program without shardings splits axis 0 (so the tests above can fail)."""
-    _, report = run_split(traced(kmv, [P(), P(), P()]))
-    assert split_axes(report) == [(0, N)]
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_threshold_compares_each_devices_share(kind):
+    """N rows sharded 4 ways: the (N, M, 3) difference is over the threshold as a whole array
+    (1.4 MB) but each device holds a quarter (361 kB, under 400 kB): nothing to split. The same
+    program unsharded is split (test_unsharded_program_splits_the_rows)."""
+    if kind == AxisType.Explicit:
+        closed = traced(kmv, [P("x"), P(), P()])
+        _, report = run_split(closed)
+    else:
+        closed = jax.make_jaxpr(kmv)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+        with sharding.inputs_sharded(((4, 1), None, None)):
+            _, report = run_split(closed)
+    assert split_axes(report) == []
 
 
-def test_both_axes_sharded_only_the_unsharded_axis_is_split():
-    two = AbstractMesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
-    with jax.sharding.use_abstract_mesh(two):
-        avals = [core.ShapedArray(s, jnp.float32, sharding=NamedSharding(two, p))
-                 for s, p in zip([(N, 3), (M + 3, 3)], [P("x"), P("y")])]
-        closed = jax.make_jaxpr(lambda x, y: jnp.exp(-jnp.sum((x[:, None] - y[None]) ** 2, -1)).sum(1))(*avals)
-    _, report = run_split(closed)
-    assert split_axes(report) and all(size == 3 for _, size in split_axes(report))  # the coordinates only
+def test_split_size_bounds_each_devices_share():
+    """Rows sharded 4 ways: a step holds as many columns as fit in the split size on one device, 4
+    times what would fit if the whole (global) step had to (fewer iterations)."""
+    closed = jax.make_jaxpr(kmv)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    with sharding.inputs_sharded(((4, 1), None, None)):
+        _, report = run_split(closed)
+    (entry,) = [r for r in report.rewrites if r.kind == "split"]
+    column = N * 3 * 4  # bytes of one column of each device's (N, M, 3) difference
+    assert entry.details["axis"] == 1 and entry.details["chunk_bytes"] == entry.details["chunk"] * column
+    assert entry.details["chunk"] * column <= CONFIG.split_size < entry.details["chunk"] * 4 * column
+    assert "per device" in entry.summary
 
 
 def test_jit_argument_shardings_under_an_auto_mesh():
-    closed = jax.make_jaxpr(kmv)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    closed = jax.make_jaxpr(kmv)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
     with sharding.inputs_sharded(((4, 1), None, None)):
         _, report = run_split(closed)
     assert split_axes(report) == [(1, M)]
     _, report = run_split(closed)
-    assert split_axes(report) == [(0, N)]
+    assert split_axes(report) == [(0, 4 * N)]
 
 
 def test_with_sharding_constraint_marks_the_axis():
@@ -121,6 +135,20 @@ def test_shard_map_body_split_with_varying_carries(collective):
     assert loops and all("{V:x}" in str(v.aval) for e in loops for v in e.outvars if v.aval.shape)
     names = [e.primitive.name for e in body.eqns]
     assert any(name.startswith(collective) for name in names), names  # left in place
+
+
+def test_shard_map_body_does_not_take_the_jit_arguments_shardings():
+    """A body with as many inputs of the same ranks as the program is not the program: its block's
+    rows are each device's own (split along axis 0, at their full per-device size)."""
+    m = mesh(AxisType.Auto)
+
+    def program(x, y, v):
+        return jax.shard_map(kmv, mesh=m, in_specs=(P("x"), P(), P()), out_specs=P("x"))(x, y, v)
+    with jax.sharding.use_abstract_mesh(m):
+        closed = jax.make_jaxpr(program)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    with sharding.inputs_sharded(((4, 1), None, None)):
+        _, report = run_split(closed)
+    assert split_axes(report) == [(0, N)]
 
 
 @pytest.mark.parametrize("text, meshes, rank, expected", [
