@@ -195,6 +195,16 @@ def operand_shardings(ctx, args: Sequence[Any]) -> tuple | None:
     return tuple(found) if any(e is not None for e in found) else None
 
 
+def mesh_of(shardings: Sequence[Any] | None):
+    """A context with the mesh of the first of ``shardings`` on explicit axes set (``jax.set_mesh``):
+    a program whose types carry explicit shardings is lowered in it; nothing otherwise."""
+    for s in shardings or ():
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and any(t == mesh_lib.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+            return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+
 def _named_sharding(text: str, meshes: dict[str, dict[str, int]], rank: int, devices, typed_mesh=None):
     """A ``NamedSharding`` for an ``#sdy.sharding<...>`` attribute's text (``None`` for sub-axes or a rank
     mismatch); the mesh takes the axis types of ``typed_mesh`` (an explicit type's), else ``Auto``."""

@@ -30,7 +30,11 @@ value's type, or by the sharding of a ``jax.jit`` argument) is never split,
 so every device loops over its own shard along another axis and the
 results keep the shardings jax.jit gives; loop carries take the varying
 manual axes and explicit sharding of the values they build; ``shard_map``
-bodies are split with their manual axes bound, collectives left in place.
+bodies are split with their manual axes bound, collectives left in place. The
+threshold and the split size bound one device's share of each value
+(:mod:`.shares`); a ``shard_map`` reading a large per-device result of the one
+before it is joined to it first (:mod:`.fuse`: a gradient's recomputed forward
+and transposed bodies), so the split covers the value between them.
 
 Carried state (:mod:`.online`): a region reducing the split axis in two
 dependent steps (a maximum, then sums of ``exp(x - max)``: logsumexp, softmax)
@@ -48,7 +52,6 @@ rest is still split.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -61,11 +64,12 @@ from hlopass.interpreter import Replacement, at_source_of, bind_equation, evalua
 from hlopass.jaxpr_utils import (aval_nbytes, aval_str, call_body, has_subjaxprs, iter_eqns, largest_values,
                                  map_subjaxprs, subjaxprs)
 from hlopass.pass_base import Pass
-from hlopass.report import PassReport, source_line
-from hlopass.sharding import input_shardings
+from hlopass.report import PassReport, Rewrite, source_line
+from hlopass.sharding import input_shardings, mesh_of
 from hlopass.sizes import format_size
 
 from .emit import LoopPlan
+from .fuse import fuse_shard_maps
 from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
 from .rules import SCATTER_MONOIDS
@@ -180,6 +184,11 @@ def split_nested(closed: core.ClosedJaxpr, config: Config, report: PassReport,
     except Exception as err:  # noqa: BLE001 - never crash on an unknown program
         report.skip(_first_location(closed), "call", f"calls left as they are (inlining failed: {_error(err)})")
         current = closed
+    joined = 0
+    try:
+        current, joined = fuse_shard_maps(current, config.threshold)
+    except Exception as err:  # noqa: BLE001
+        report.skip(_first_location(current), "shard_map", f"shard_maps left apart (joining failed: {_error(err)})")
 
     def rule(eqn, invals):
         if not has_subjaxprs(eqn) or not _holds_large(eqn, config.threshold):
@@ -208,7 +217,16 @@ def split_nested(closed: core.ClosedJaxpr, config: Config, report: PassReport,
     except Exception as err:  # noqa: BLE001
         report.skip(_first_location(current), "split", f"this program level left untouched: {_error(err)}")
         new = current
-    return new if len(report.rewrites) > mark[0] else closed  # inlining alone changes nothing
+    if len(report.rewrites) == mark[0]:
+        return closed  # inlining or joining alone changes nothing
+    if joined:
+        anchor = next((e for e in current.jaxpr.eqns if e.primitive.name == "shard_map"), None)
+        report.rewrites.insert(mark[0], Rewrite(
+            report.name, "join", source_line(anchor) if anchor is not None else "<unknown>",
+            f"joined {joined} shard_map(s) to the one before it that computes a per-device value over the "
+            f"threshold it reads (a gradient's recomputed forward and transposed bodies), so one body "
+            f"computes and reads that value and is split across it", {"joined": joined}))
+    return new
 
 
 def _track(changed: list, outs):
@@ -610,9 +628,7 @@ def _footprint(closed: core.ClosedJaxpr, shardings: tuple | None = None) -> int:
     shardings = shardings or (None,) * len(closed.in_avals)
     args = [jax.lax.create_token() if isinstance(a, core.AbstractToken) else
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(closed.in_avals, shardings)]
-    explicit = [s.mesh for s in shardings if s is not None and any(
-        t == jax.sharding.AxisType.Explicit for t in getattr(s.mesh, "axis_types", ()))]
-    with jax.set_mesh(explicit[0]) if explicit else contextlib.nullcontext():  # explicit types need their mesh
+    with mesh_of(shardings):  # explicit types need their mesh
         return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
 
 

@@ -151,6 +151,54 @@ def test_shard_map_body_does_not_take_the_jit_arguments_shardings():
     assert split_axes(report) == [(0, N)]
 
 
+def _shard_map_grad():
+    m = mesh(AxisType.Auto)
+
+    def program(x, y, v):
+        def body(a, b, c):
+            local = kmv(a, b, c)
+            return local / jax.lax.psum(local.sum(), "x")
+        return jax.shard_map(body, mesh=m, in_specs=(P("x"), P(), P()), out_specs=P("x"))(x, y, v)
+    def pullback(x, y, v, ct):  # as hlopass's backward program: the cotangent is an input
+        return jax.vjp(program, x, y, v)[1](ct)
+    with jax.sharding.use_abstract_mesh(m):
+        return jax.make_jaxpr(pullback)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M), jnp.zeros(4 * N))
+
+
+def test_gradient_shard_maps_joined_across_their_residuals():
+    """The pullback of a shard_map: the forward body's per-device residuals (N x M on each device) go
+    to the transposed body. The split pass joins the two shard_maps, so that one body computes and
+    reads them, and splits across them: no value over the split size is left in the joined body."""
+    closed = _shard_map_grad()
+    maps = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert len(maps) == 2
+    residuals = [v for v in maps[1].params["jaxpr"].invars if v.aval.size * 4 > CONFIG.split_size]
+    assert residuals  # the large per-device values cross from one shard_map to the other
+    new, report = run_split(closed)
+    assert [r.kind for r in report.rewrites][0] == "join" and split_axes(report)
+    (joined,) = [e for e in new.jaxpr.eqns if e.primitive.name == "shard_map"]
+    body = joined.params["jaxpr"]
+    assert all(v.aval.size * 4 <= CONFIG.threshold for v in body.invars + body.outvars if hasattr(v, "aval"))
+    top = [e for e in body.eqns if e.primitive.name not in ("scan", "while")]
+    assert all(v.aval.size * 4 <= CONFIG.threshold for e in top for v in e.outvars)
+    names = [e.primitive.name for e in body.eqns]
+    assert any(name.startswith("psum") for name in names), names  # the collectives stay
+
+
+def test_shard_maps_with_different_specs_are_not_joined():
+    """A residual passed out with one spec and read back with another is not a device's own block."""
+    from hlopass.passes.split.fuse import fuse_shard_maps
+    closed = _shard_map_grad()
+    maps = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "shard_map"]
+    second = closed.jaxpr.eqns[maps[1]]
+    specs = tuple(P() if isinstance(s, P) and s == P("x") else s for s in second.params["in_specs"])
+    eqns = list(closed.jaxpr.eqns)
+    eqns[maps[1]] = second.replace(params=dict(second.params, in_specs=specs))
+    changed = core.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+    assert fuse_shard_maps(changed, CONFIG.threshold)[1] == 0
+    assert fuse_shard_maps(closed, CONFIG.threshold)[1] == 1
+
+
 @pytest.mark.parametrize("text, meshes, rank, expected", [
     ('#sdy.sharding<mesh<["x"=4]>, [{"x"}, {}]>', {}, 2, (4, 1)),
     ('#sdy.sharding<@mesh, [{}, {"x", "y"}]>', {"mesh": {"x": 2, "y": 3}}, 2, (1, 6)),
