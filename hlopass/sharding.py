@@ -7,7 +7,8 @@
   mesh, from the shardings of the ``jax.jit`` arguments they are (found by the ``hlopass_call``
   lowering rule in the module's ``sdy.sharding`` argument attributes, :func:`operand_shards`, and
   made known to the passes with :func:`inputs_sharded`). :func:`input_shardings` gives the same
-  inputs' ``NamedSharding`` s (a pass compiles a program with them to measure one device's memory).
+  inputs' ``NamedSharding`` s (:func:`operand_shardings` builds them from those attributes; a pass
+  compiles a program with them, in :func:`mesh_of`, to measure one device's memory).
 * :func:`body_context` / :func:`manual_context` - the context (axis names bound, the mesh with its
   manual axes, varying-axes checking) in which a ``shard_map`` body, or a program lowered inside one,
   is re-traced: without it a collective or ``pcast`` in the body fails with "unbound axis name".
