@@ -208,3 +208,17 @@ def test_shard_maps_with_different_specs_are_not_joined():
 ])
 def test_sdy_sharding_attributes(text, meshes, rank, expected):
     assert sharding.parse_sdy_sharding(text, meshes, rank) == expected
+
+
+@pytest.mark.parametrize("text, rank, spec", [
+    ('#sdy.sharding<mesh<["x"=1]>, [{"x"}, {}]>', 2, P("x", None)),
+    ('#sdy.sharding<@mesh, [{}, {"x", "y"}]>', 2, P(None, ("x", "y"))),
+    ('#sdy.sharding<@mesh, [{"x":(1)1}, {}]>', 2, None),       # sub-axes: not rebuilt
+    ('#sdy.sharding<mesh<["x"=1]>, [{"x"}]>', 2, None),        # rank mismatch
+    ('#sdy.sharding<mesh<["x"=8]>, [{"x"}]>', 1, None),        # more devices than there are
+])
+def test_named_shardings_rebuilt_from_sdy_attributes(text, rank, spec):
+    """The split pass's memory check compiles with these (one device's figures)."""
+    found = sharding._named_sharding(text, {"mesh": {"x": 1, "y": 1}}, rank, jax.devices()[:1])
+    assert (found is None) if spec is None else (found.spec == spec and dict(found.mesh.shape) in
+                                                 ({"x": 1}, {"x": 1, "y": 1}))
