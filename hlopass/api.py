@@ -138,6 +138,7 @@ class HlopassFunction:
         checked = self._checked(config)
         traced = Traced(checked.jitted.trace(*args, **kwargs), config, self.label)
         traced.input_shards = sharding.argument_shards(checked, args, kwargs)
+        traced.input_shardings = sharding.argument_shardings(checked, args, kwargs)
         return traced
 
     def lower(self, *args, **kwargs) -> "Lowered":
@@ -279,6 +280,7 @@ class Traced:
         self.config = config
         self.label = label
         self.input_shards = None  # how the arguments are sharded (the passes see it, as when lowering)
+        self.input_shardings = None  # and their NamedShardings
 
     def __getattr__(self, name):
         return getattr(self._traced, name)
@@ -291,10 +293,12 @@ class Traced:
     @functools.cached_property
     def _result(self):
         eqn = _hlopass_eqn(self._traced.jaxpr)
-        shards = self.input_shards
+        shards, shardings = self.input_shards, self.input_shardings
         if shards is not None:  # the constants come first
             shards = (None,) * (len(eqn.params["jaxpr"].in_avals) - len(shards)) + tuple(shards)
-        with sharding.inputs_sharded(shards):
+        if shardings is not None and shards is not None:
+            shardings = (None,) * (len(shards) - len(shardings)) + tuple(shardings)
+        with sharding.inputs_sharded(shards, shardings):
             return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"], eqn.params["notes"])
 
     @property

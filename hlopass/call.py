@@ -106,13 +106,14 @@ _measured_by_caller: contextvars.ContextVar = contextvars.ContextVar("hlopass_me
 
 def _lowering(ctx, *args, jaxpr, config, name, notes):
     # the passes see how the jit arguments are sharded, and re-trace inside shard_map with its axes bound
-    with sharding.inputs_sharded(sharding.operand_shards(ctx, args)), sharding.manual_context(ctx):
+    shardings = sharding.operand_shardings(ctx, args)
+    with sharding.inputs_sharded(sharding.operand_shards(ctx, args), shardings), sharding.manual_context(ctx):
         result = run_pipeline(jaxpr, config, label=name, notes=notes)
     whole = _measured_by_caller.get()
     if whole is not None and whole.result is None:
         whole.result = result
     else:
-        settle(result, name)
+        settle(result, name, shardings)
     return mlir.core_call_lowering(ctx, *args, name=f"hlopass_{_safe(name)}", call_jaxpr=result.program)
 
 
@@ -123,8 +124,9 @@ def _safe(name: str) -> str:
 mlir.register_lowering(hlopass_call_p, _lowering, cacheable=False)
 
 
-def settle(result: PipelineResult, name: str) -> None:
-    """Check a hlopass program compiled as part of another against the limit, once.
+def settle(result: PipelineResult, name: str, shardings: tuple | None = None) -> None:
+    """Check a hlopass program compiled as part of another against the limit, once (compiled alone
+    with its operands' ``shardings`` when known: one device's figures).
 
     A changed program that is not bounded is compiled both ways and the better kept
     (:func:`decide`). Otherwise it is compiled alone only when a crude bound on its bytes does
@@ -135,11 +137,12 @@ def settle(result: PipelineResult, name: str) -> None:
         limit = result.config.memory_limit
         try:
             if result.needs_comparison:
-                rewritten, rewritten_s = _compile_alone(result.jaxpr, result.config, name)
-                original, original_s = _compile_alone(result.original, result.config, f"{name} (original)")
+                rewritten, rewritten_s = _compile_alone(result.jaxpr, result.config, name, shardings)
+                original, original_s = _compile_alone(result.original, result.config, f"{name} (original)",
+                                                      shardings)
                 decide(result, rewritten, rewritten_s, original, original_s)
             elif limit is not None and 2 * bytes_upper_bound(result.program) > limit:
-                result.check, _ = _compile_alone(result.program, result.config, name)
+                result.check, _ = _compile_alone(result.program, result.config, name, shardings)
         except Exception as err:  # noqa: BLE001 - a diagnostic compile must not break the user's
             logger.warning("hlopass: could not compile %s alone to check its memory: %s: %s",
                            name, type(err).__name__, err)
@@ -172,10 +175,17 @@ def _enforce(result: PipelineResult) -> None:
         enforce(result.check, False)
 
 
-def _compile_alone(closed: core.ClosedJaxpr, config, label: str) -> tuple[MemoryCheck, float]:
-    """Compile ``closed`` on its own; its memory figures and the seconds lowering and compiling took."""
+def _compile_alone(closed: core.ClosedJaxpr, config, label: str,
+                   shardings: tuple | None = None) -> tuple[MemoryCheck, float]:
+    """Compile ``closed`` on its own (its inputs placed with ``shardings`` where given); its memory
+    figures and the seconds lowering and compiling took."""
     start = time.perf_counter()
-    lowered = jax.jit(core.jaxpr_as_fun(closed)).lower(*closed.in_avals)
+    args = closed.in_avals
+    if shardings is not None and len(shardings) == len(args):
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if s is not None and hasattr(a, "shape") else a
+                for a, s in zip(args, shardings)]
+    with sharding.mesh_of(shardings):
+        lowered = jax.jit(core.jaxpr_as_fun(closed)).lower(*args)
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
     return measure(compiled, lowered, config.memory_limit, label, list_largest="over_limit"), seconds

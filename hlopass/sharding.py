@@ -6,7 +6,9 @@
   ``with_sharding_constraint``'s), or, for the program's inputs under an ``Auto``
   mesh, from the shardings of the ``jax.jit`` arguments they are (found by the ``hlopass_call``
   lowering rule in the module's ``sdy.sharding`` argument attributes, :func:`operand_shards`, and
-  made known to the passes with :func:`inputs_sharded`).
+  made known to the passes with :func:`inputs_sharded`). :func:`input_shardings` gives the same
+  inputs' ``NamedSharding`` s (:func:`operand_shardings` builds them from those attributes; a pass
+  compiles a program with them, in :func:`mesh_of`, to measure one device's memory).
 * :func:`body_context` / :func:`manual_context` - the context (axis names bound, the mesh with its
   manual axes, varying-axes checking) in which a ``shard_map`` body, or a program lowered inside one,
   is re-traced: without it a collective or ``pcast`` in the body fails with "unbound axis name".
@@ -28,6 +30,7 @@ from jax._src import core
 from jax._src import mesh as mesh_lib
 
 _INPUT_SHARDS: contextvars.ContextVar = contextvars.ContextVar("hlopass_input_shards", default=None)
+_INPUT_SHARDINGS: contextvars.ContextVar = contextvars.ContextVar("hlopass_input_shardings", default=None)
 
 
 # -- shardings of values ----------------------------------------------------------------------------
@@ -58,13 +61,23 @@ def input_shards() -> tuple | None:
     return _INPUT_SHARDS.get()
 
 
+def input_shardings() -> tuple | None:
+    """The ``NamedSharding`` of each input of the program being rewritten (``None`` where unknown)."""
+    return _INPUT_SHARDINGS.get()
+
+
 @contextlib.contextmanager
-def inputs_sharded(shards: Sequence[tuple[int, ...] | None] | None):
-    """Within: :func:`input_shards` is ``shards`` (one entry per program input)."""
-    token = _INPUT_SHARDS.set(None if shards is None or not any(shards) else tuple(shards))
+def inputs_sharded(shards: Sequence[tuple[int, ...] | None] | None, shardings: Sequence[Any] | None = None):
+    """Within: :func:`input_shards` is ``shards`` and :func:`input_shardings` is ``shardings``
+    (one entry per program input)."""
+    known = shards is not None and any(shards)
+    token = _INPUT_SHARDS.set(tuple(shards) if known else None)
+    token2 = _INPUT_SHARDINGS.set(tuple(shardings) if known and shardings is not None
+                                  and len(shardings) == len(shards) else None)
     try:
         yield
     finally:
+        _INPUT_SHARDINGS.reset(token2)
         _INPUT_SHARDS.reset(token)
 
 
@@ -91,17 +104,27 @@ def axis_is_sharded(var, axis: int | None, jaxpr=None) -> bool:
     return pieces is not None and axis < len(pieces) and pieces[axis] > 1
 
 
-def argument_shards(checked, args, kwargs) -> tuple | None:
-    """Pieces per dimension of each dynamic argument leaf of a call of ``checked`` (a
-    :class:`~hlopass.call.CheckedJit`), in the order the ``hlopass_call`` receives them."""
+def _dynamic_leaves(checked, args, kwargs) -> list:
     if checked.static_argnums or checked.static_argnames:
         args = tuple(a for i, a in enumerate(args) if i not in checked.static_argnums)
         kwargs = {k: v for k, v in kwargs.items() if k not in checked.static_argnames}
+    return jax.tree_util.tree_leaves((args, kwargs))
+
+
+def argument_shards(checked, args, kwargs) -> tuple | None:
+    """Pieces per dimension of each dynamic argument leaf of a call of ``checked`` (a
+    :class:`~hlopass.call.CheckedJit`), in the order the ``hlopass_call`` receives them."""
     found = []
-    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+    for leaf in _dynamic_leaves(checked, args, kwargs):
         shape = getattr(leaf, "shape", None)
         found.append(None if shape is None else sharding_pieces(getattr(leaf, "sharding", None), len(shape)))
     return tuple(found) if any(found) else None
+
+
+def argument_shardings(checked, args, kwargs) -> tuple:
+    """The ``NamedSharding`` of each dynamic argument leaf (as :func:`argument_shards`; ``None`` for others)."""
+    return tuple(leaf.sharding if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding) else None
+                 for leaf in _dynamic_leaves(checked, args, kwargs))
 
 
 # -- the lowering rule's view of its operands ----------------------------------------------------------
@@ -132,15 +155,89 @@ def operand_shards(ctx, args: Sequence[Any]) -> tuple | None:
 
 
 def _block_argument_shards(module, value, rank: int) -> tuple[int, ...] | None:
+    text = _block_argument_sdy(value)
+    return None if text is None else parse_sdy_sharding(text, _module_meshes(module), rank)
+
+
+def _block_argument_sdy(value) -> str | None:
     func = value.owner.owner
     if "arg_attrs" not in func.attributes:
         return None
-    attrs = func.attributes["arg_attrs"][value.arg_number]
-    text = str(attrs)
+    text = str(func.attributes["arg_attrs"][value.arg_number])
     start = text.find("#sdy.sharding<")
-    if start < 0:
+    return None if start < 0 else text[start:]
+
+
+def operand_shardings(ctx, args: Sequence[Any]) -> tuple | None:
+    """As :func:`operand_shards`, each operand's ``NamedSharding`` over the devices of the lowering
+    (``None`` for operands without one, or when the devices are not known)."""
+    devices = getattr(getattr(ctx.module_context, "axis_context", None), "device_assignment", None)
+    if not devices:  # not set when lowering for Shardy: any devices of the platform make the same partitioning
+        devices = jax.local_devices()
+        if len(devices) < getattr(ctx.module_context.axis_context, "num_devices", 1):
+            devices = jax.devices()
+    try:
+        from jax._src.lib.mlir import ir
+    except ImportError:  # pragma: no cover
         return None
-    return parse_sdy_sharding(text[start:], _module_meshes(module), rank)
+    found = []
+    for arg, aval in zip(args, ctx.avals_in):
+        value = arg[0] if isinstance(arg, (tuple, list)) and len(arg) == 1 else arg
+        entry = None
+        if isinstance(value, ir.BlockArgument):
+            try:
+                text = _block_argument_sdy(value)
+                entry = None if text is None else _named_sharding(
+                    text, _module_meshes(ctx.module_context.module), len(getattr(aval, "shape", ())), devices,
+                    getattr(getattr(aval, "sharding", None), "mesh", None))
+            except Exception:  # noqa: BLE001 - unknown attribute forms: not known
+                entry = None
+        found.append(entry)
+    return tuple(found) if any(e is not None for e in found) else None
+
+
+def mesh_of(shardings: Sequence[Any] | None):
+    """A context with the mesh of the first of ``shardings`` on explicit axes set (``jax.set_mesh``):
+    a program whose types carry explicit shardings is lowered in it; nothing otherwise."""
+    for s in shardings or ():
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and any(t == mesh_lib.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+            return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+
+def _named_sharding(text: str, meshes: dict[str, dict[str, int]], rank: int, devices, typed_mesh=None):
+    """A ``NamedSharding`` for an ``#sdy.sharding<...>`` attribute's text (``None`` for sub-axes or a rank
+    mismatch); the mesh takes the axis types of ``typed_mesh`` (an explicit type's), else ``Auto``."""
+    import numpy as np
+    body = text[len("#sdy.sharding<"):].lstrip()
+    if body.startswith("mesh<"):
+        end = body.index("]>") + 2
+        sizes = {k: int(v) for k, v in _MESH_AXIS.findall(body[:end])}
+    elif body.startswith("@"):
+        end = body.index(",")
+        sizes = meshes.get(body[1:end].strip(), {})
+    else:
+        return None
+    rest = body[end:]
+    open_at = rest.index("[")
+    groups = re.findall(r"\{([^}]*)\}", rest[open_at + 1:rest.index("]", open_at)])
+    if len(groups) != rank or not sizes or math.prod(sizes.values()) > len(devices):
+        return None
+    spec = []
+    for group in groups:
+        names = []
+        for name, sub, _ in _AXIS.findall(group):
+            if sub or name not in sizes:
+                return None
+            names.append(name)
+        spec.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+    names = tuple(sizes)
+    types = dict(zip(getattr(typed_mesh, "axis_names", ()), getattr(typed_mesh, "axis_types", ())))
+    axis_types = tuple(types.get(n, mesh_lib.AxisType.Auto) for n in names)
+    grid = np.array(list(devices)[:math.prod(sizes.values())], dtype=object).reshape(tuple(sizes.values()))
+    mesh = jax.sharding.Mesh(grid, names, axis_types=axis_types)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def _module_meshes(module) -> dict[str, dict[str, int]]:

@@ -30,7 +30,11 @@ value's type, or by the sharding of a ``jax.jit`` argument) is never split,
 so every device loops over its own shard along another axis and the
 results keep the shardings jax.jit gives; loop carries take the varying
 manual axes and explicit sharding of the values they build; ``shard_map``
-bodies are split with their manual axes bound, collectives left in place.
+bodies are split with their manual axes bound, collectives left in place. The
+threshold and the split size bound one device's share of each value
+(:mod:`.shares`); a ``shard_map`` reading a large per-device result of the one
+before it is joined to it first (:mod:`.fuse`: a gradient's recomputed forward
+and transposed bodies), so the split covers the value between them.
 
 Carried state (:mod:`.online`): a region reducing the split axis in two
 dependent steps (a maximum, then sums of ``exp(x - max)``: logsumexp, softmax)
@@ -50,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 
 from jax._src import core
 
@@ -61,14 +64,16 @@ from hlopass.interpreter import Replacement, at_source_of, bind_equation, evalua
 from hlopass.jaxpr_utils import (aval_nbytes, aval_str, call_body, has_subjaxprs, iter_eqns, largest_values,
                                  map_subjaxprs, subjaxprs)
 from hlopass.pass_base import Pass
-from hlopass.report import PassReport, source_line
-from hlopass.sharding import dim_shards, input_shards, sharding_pieces, type_shards
+from hlopass.report import PassReport, Rewrite, source_line
+from hlopass.sharding import input_shardings, mesh_of
 from hlopass.sizes import format_size
 
 from .emit import LoopPlan
+from .fuse import fuse_shard_maps
 from .recompute import recompute_for_later_stages, staged_values
 from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
-from .rules import SCATTER_MONOIDS, dim_map
+from .rules import SCATTER_MONOIDS
+from .shares import device_bytes, sharded_values, top_program
 from .unroll import unroll_short_reductions
 
 @dataclasses.dataclass(frozen=True)
@@ -103,19 +108,29 @@ class SplitPass(Pass):
     provides = frozenset({"split_regions"})
 
     def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+        with top_program(closed.jaxpr):  # the jit arguments' shardings are this program's inputs'
+            return self._run(closed, config)
+
+    def _run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
         new, report = self.run_once(closed, config)
         limit = config.memory_limit
         if limit is None or config.threshold is None or not report.rewrites or _upper_bound(new) <= limit:
             return new, report
         retries: list = []
-        footprint = _footprint(new)
+        shardings = _input_shardings(closed)
+        try:
+            footprint = _footprint(new, shardings)
+        except Exception as err:  # noqa: BLE001 - a diagnostic compile must not lose the split
+            report.skip("<memory limit>", "split", f"could not compile the split program alone to check its "
+                        f"memory (the whole program is still checked): {_error(err)}")
+            return new, report
         current = config
         while footprint > limit and len(retries) < self.options.max_retries and current.split_size > 1:
             smaller = dataclasses.replace(current, threshold=max(1, current.threshold // 2),
                                           split_size=max(1, current.split_size // 2))
             retries.append((current, smaller, footprint))
             new, report = self.run_once(closed, smaller)
-            footprint, current = _footprint(new), smaller
+            footprint, current = _footprint(new, shardings), smaller
         for before, after, seen in retries:
             report.rewrite("retry", "<memory limit>",
                            f"XLA footprint {format_size(seen)} over the limit {format_size(limit)}: "
@@ -136,7 +151,8 @@ class SplitPass(Pass):
         report = PassReport(self.name)
         if config.threshold is None or config.split_size is None:
             return closed, report
-        return split_nested(closed, config, report, self.options), report
+        with top_program(closed.jaxpr):
+            return split_nested(closed, config, report, self.options), report
 
 
 @dataclasses.dataclass
@@ -170,6 +186,11 @@ def split_nested(closed: core.ClosedJaxpr, config: Config, report: PassReport,
     except Exception as err:  # noqa: BLE001 - never crash on an unknown program
         report.skip(_first_location(closed), "call", f"calls left as they are (inlining failed: {_error(err)})")
         current = closed
+    joined = 0
+    try:
+        current, joined = fuse_shard_maps(current, config.threshold)
+    except Exception as err:  # noqa: BLE001
+        report.skip(_first_location(current), "shard_map", f"shard_maps left apart (joining failed: {_error(err)})")
 
     def rule(eqn, invals):
         if not has_subjaxprs(eqn) or not _holds_large(eqn, config.threshold):
@@ -198,7 +219,16 @@ def split_nested(closed: core.ClosedJaxpr, config: Config, report: PassReport,
     except Exception as err:  # noqa: BLE001
         report.skip(_first_location(current), "split", f"this program level left untouched: {_error(err)}")
         new = current
-    return new if len(report.rewrites) > mark[0] else closed  # inlining alone changes nothing
+    if len(report.rewrites) == mark[0]:
+        return closed  # inlining or joining alone changes nothing
+    if joined:
+        anchor = next((e for e in current.jaxpr.eqns if e.primitive.name == "shard_map"), None)
+        report.rewrites.insert(mark[0], Rewrite(
+            report.name, "join", source_line(anchor) if anchor is not None else "<unknown>",
+            f"joined {joined} shard_map(s) to the one before it that computes a per-device value over the "
+            f"threshold it reads (a gradient's recomputed forward and transposed bodies), so one body "
+            f"computes and reads that value and is split across it", {"joined": joined}))
+    return new
 
 
 def _track(changed: list, outs):
@@ -274,7 +304,8 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
 
 def _has_large_max(jaxpr, large: int) -> bool:
     """Whether a ``reduce_max`` reads a value over ``large`` bytes (a running maximum may spare a nested split)."""
-    return any(eqn.primitive.name == "reduce_max" and aval_nbytes(eqn.invars[0].aval) > large for eqn in jaxpr.eqns)
+    share = device_bytes(jaxpr)
+    return any(eqn.primitive.name == "reduce_max" and share(eqn.invars[0]) > large for eqn in jaxpr.eqns)
 
 
 def _score(plans, failures) -> tuple[int, int]:
@@ -450,57 +481,6 @@ def _sharded_split_axis(jaxpr, region: SplitRegion):
     return None
 
 
-_shards_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def sharded_values(jaxpr: core.Jaxpr) -> dict:
-    """Pieces per dimension of each value of ``jaxpr`` known to be cut across devices.
-
-    Known: an explicit sharding in a value's type, a ``with_sharding_constraint``, and the
-    shardings of the jax.jit arguments that are the program's inputs (:func:`hlopass.sharding.dim_shards`), followed forward through
-    every equation with an axis rule (a dimension keeps its pieces where its label survives).
-    """
-    inputs = input_shards()
-    try:
-        return _shards_cache[jaxpr][inputs]
-    except (KeyError, TypeError):
-        pass
-    known: dict = {}
-    for var in jaxpr.invars:
-        pieces = dim_shards(var, jaxpr)
-        if pieces is not None:
-            known[var] = pieces
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            pieces = type_shards(var.aval)
-            if pieces is None and eqn.primitive.name == "sharding_constraint":
-                pieces = sharding_pieces(eqn.params.get("sharding"), len(var.aval.shape))
-            if pieces is not None:
-                known[var] = pieces
-        operands = [known.get(a) if isinstance(a, core.Var) else None for a in eqn.invars]
-        if not any(operands) or any(not isinstance(v, core.DropVar) and v in known for v in eqn.outvars):
-            continue
-        labels = dim_map(eqn)
-        if labels is None:
-            continue
-        for k, pieces in enumerate(operands):
-            for d, count in enumerate(pieces or ()):
-                label = labels.ins[k][d] if k < len(labels.ins) and d < len(labels.ins[k]) else None
-                if count <= 1 or label is None or label in labels.reduced:
-                    continue
-                for r, out in enumerate(eqn.outvars):
-                    axis = labels.out_axis(label, r)
-                    if axis is not None and not isinstance(out, core.DropVar):
-                        current = list(known.get(out, (1,) * len(out.aval.shape)))
-                        current[axis] = max(current[axis], count)
-                        known[out] = tuple(current)
-    try:
-        _shards_cache.setdefault(jaxpr, {})[inputs] = known
-    except TypeError:
-        pass
-    return known
-
-
 def _report_skip(report: PassReport, jaxpr, seed: int, index: int, reason: str) -> None:
     """Name the operation that prevented the split, at its line (the reducer's when it has none)."""
     blocker = jaxpr.eqns[index]
@@ -517,9 +497,9 @@ def _where(jaxpr, index: int) -> str:
 
 def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: SplitOptions) -> _Candidate | None:
     outputs = set(region.outputs(jaxpr, graph))
-    covered = sum(aval_nbytes(v.aval) for v in region.var_axis
-                  if v not in outputs and aval_nbytes(v.aval) > config.split_size)
-    if not any(aval_nbytes(v.aval) > config.threshold for v in region.var_axis if v not in outputs):
+    share = device_bytes(jaxpr)  # the threshold and the split size bound one device's share
+    covered = sum(share(v) for v in region.var_axis if v not in outputs and share(v) > config.split_size)
+    if not any(share(v) > config.threshold for v in region.var_axis if v not in outputs):
         return None
     per_unit = max(region.per_unit_bytes(jaxpr), 1)
     peak = max(region.peak_per_unit_bytes(jaxpr, graph), 1)
@@ -579,12 +559,13 @@ def _report_split(report: PassReport, jaxpr, plan: LoopPlan, candidate: _Candida
     summary = (f"split {seed.primitive.name} over axis {axis} of {aval_str(axis_var.aval)} "
                f"(length {region.size}) into {plan.iterations} iterations of {plan.chunk}"
                f"{f' (last {remainder})' if remainder else ''}, {len(region.eqns)} equations per iteration, "
-               f"{how}; largest tensor {format_size(region.largest_bytes())} -> {format_size(chunk_bytes)}"
+               f"{how}; largest tensor {format_size(region.largest_bytes(jaxpr))} -> {format_size(chunk_bytes)}"
+               f"{' per device' if any(v in sharded_values(jaxpr) for v in region.var_axis) else ''}"
                f"{' per step, split again inside (nested)' if candidate.nested else ''}")
     carried = carried_state(plan)
     summary += f"; carries {', '.join(carried)}"
     report.rewrite("split", seed, summary, axis=axis, size=region.size, iterations=plan.iterations, carried=carried,
-                   chunk=plan.chunk, chunk_bytes=chunk_bytes, largest_before=region.largest_bytes(),
+                   chunk=plan.chunk, chunk_bytes=chunk_bytes, largest_before=region.largest_bytes(jaxpr),
                    largest_after=chunk_bytes, equations=len(region.eqns), nested=candidate.nested,
                    reducers=sorted(jaxpr.eqns[i].primitive.name for i in region.reducing),
                    outputs=len(plan.outputs))
@@ -626,18 +607,31 @@ def carried_state(plan: LoopPlan) -> list[str]:
 
 
 def _upper_bound(closed: core.ClosedJaxpr) -> int:
-    """Bytes of every value the program defines (loop bodies once) plus its inputs: XLA cannot need more."""
-    values = sum(aval_nbytes(v.aval) for eqn in iter_eqns(closed) for v in eqn.outvars)
-    return values + sum(aval_nbytes(a) for a in closed.in_avals)
+    """Bytes of every value the program defines (loop bodies once) plus its inputs, the top level's on
+    one device (:mod:`.shares`): XLA cannot need more on one device."""
+    share = device_bytes(closed.jaxpr)
+    top = set(id(eqn) for eqn in closed.jaxpr.eqns)
+    values = sum(share(v) if id(eqn) in top else aval_nbytes(v.aval)
+                 for eqn in iter_eqns(closed) for v in eqn.outvars)
+    return values + sum(share(v) for v in closed.jaxpr.invars)
 
 
-def _footprint(closed: core.ClosedJaxpr) -> int:
-    """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own."""
+def _input_shardings(closed: core.ClosedJaxpr) -> tuple | None:
+    """The jax.jit arguments' ``NamedSharding`` s of ``closed``'s inputs, when known."""
+    shardings = input_shardings()
+    return shardings if shardings is not None and len(shardings) == len(closed.in_avals) else None
+
+
+def _footprint(closed: core.ClosedJaxpr, shardings: tuple | None = None) -> int:
+    """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own: one
+    device's when the inputs' ``shardings`` are given (the figure the memory limit bounds)."""
     import jax
     from hlopass.memory import measure
-    args = [jax.lax.create_token() if isinstance(a, core.AbstractToken) else jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for a in closed.in_avals]
-    return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
+    shardings = shardings or (None,) * len(closed.in_avals)
+    args = [jax.lax.create_token() if isinstance(a, core.AbstractToken) else
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(closed.in_avals, shardings)]
+    with mesh_of(shardings):  # explicit types need their mesh
+        return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
 
 
 def inline_calls_holding_large(closed: core.ClosedJaxpr, threshold: int) -> core.ClosedJaxpr:

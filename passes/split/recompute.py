@@ -23,9 +23,10 @@ from jax._src import core
 
 from hlopass.families import ELEMENTWISE
 from hlopass.graph import DataflowGraph
-from hlopass.jaxpr_utils import aval_nbytes, dce
+from hlopass.jaxpr_utils import dce
 
 from .rules import dim_map
+from .shares import device_bytes
 
 
 def staged_values(jaxpr: core.Jaxpr, large: int, online: bool = False) -> list[core.Var]:
@@ -34,10 +35,11 @@ def staged_values(jaxpr: core.Jaxpr, large: int, online: bool = False) -> list[c
     starts no stage (one loop can carry a running maximum, see :mod:`.online`)."""
     graph = DataflowGraph(jaxpr)
     stages = _Stages(jaxpr, graph, large, online)
+    share = device_bytes(jaxpr)
     found = []
     for i, eqn in enumerate(jaxpr.eqns):
         for var in eqn.outvars:
-            if isinstance(var, core.DropVar) or aval_nbytes(var.aval) <= large or graph.is_output(var):
+            if isinstance(var, core.DropVar) or share(var) <= large or graph.is_output(var):
                 continue
             if stages.later_readers(var) and _cone(jaxpr, graph, i, large) is not None:
                 found.append(var)
@@ -74,6 +76,7 @@ class _Stages:
 
     def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, large: int, online: bool = False):
         self.jaxpr, self.graph, self.large = jaxpr, graph, large
+        self.share = device_bytes(jaxpr)
         self.level: dict = {}
         for eqn in jaxpr.eqns:
             here = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
@@ -95,7 +98,7 @@ class _Stages:
             self.meets[i] = best
 
     def _large(self, atom) -> bool:
-        return isinstance(atom, core.Var) and aval_nbytes(atom.aval) > self.large
+        return isinstance(atom, core.Var) and self.share(atom) > self.large
 
     def later_readers(self, var) -> list[int]:
         """Readers of ``var`` in a later stage than its first."""
@@ -111,6 +114,7 @@ def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[i
     """Equations computing the outputs of equation ``i`` back to small values (``None`` if one of
     them cannot be recomputed: no split rule, or effects)."""
     cone, stack = set(), [i]
+    share = device_bytes(jaxpr)
     while stack:
         j = stack.pop()
         if j in cone:
@@ -121,16 +125,16 @@ def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[i
         cone.add(j)
         for atom in eqn.invars:
             if isinstance(atom, core.Var) and atom in graph.producer and (
-                    aval_nbytes(atom.aval) > large or _elementwise_of_large(jaxpr.eqns[graph.producer[atom]], large)):
+                    share(atom) > large or _elementwise_of_large(jaxpr.eqns[graph.producer[atom]], large, share)):
                 stack.append(graph.producer[atom])
     return sorted(cone)
 
 
-def _elementwise_of_large(eqn, large: int) -> bool:
+def _elementwise_of_large(eqn, large: int, share) -> bool:
     """A small value computed element by element from a large one (a boolean mask from a large ``iota``):
     copied with its stage, so that no large value stays shared between two stages."""
     return eqn.primitive.name in ELEMENTWISE and any(
-        isinstance(a, core.Var) and aval_nbytes(a.aval) > large for a in eqn.invars)
+        isinstance(a, core.Var) and share(a) > large for a in eqn.invars)
 
 
 def _with_copy(jaxpr: core.Jaxpr, cone: list[int], later: list[int], var: core.Var):

@@ -39,6 +39,7 @@ from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 
 from .online import NotOnline, analyse, final_equations, running_reducers, shift_equations
 from .rules import SCATTER_MONOIDS, DimMap, dim_map
+from .shares import device_bytes
 
 #: Primitives a region may start from.
 SEED_PRIMITIVES = frozenset({"dot_general", "top_k", "triangular_solve", "gather", "slice", "dynamic_slice",
@@ -99,23 +100,25 @@ class SplitRegion:
         return outs
 
     def per_unit_bytes(self, jaxpr: core.Jaxpr) -> int:
-        """Bytes per unit of the split axis of the largest sliced value of one iteration."""
+        """Bytes per unit of the split axis of the largest sliced value of one iteration, on one device."""
+        share = device_bytes(jaxpr)
         best = 0
         for var, axis in self.var_axis.items():
             if axis is not None:
-                best = max(best, -(-aval_nbytes(var.aval) // self.size))
+                best = max(best, -(-share(var) // self.size))
         for var, axis in self.inputs(jaxpr):
             if axis is not None:
-                best = max(best, -(-aval_nbytes(var.aval) // self.size))
+                best = max(best, -(-share(var) // self.size))
         return best
 
     def peak_per_unit_bytes(self, jaxpr: core.Jaxpr, graph: DataflowGraph) -> int:
-        """Bytes per unit of the split axis live at once in one iteration, in program order.
+        """Bytes per unit of the split axis live at once in one iteration, in program order, on one device.
 
         A value that XLA fuses into its only consumer (an elementwise result read by one
         elementwise op, reduction or broadcast) is not counted; sliced inputs are live throughout.
         """
-        unit = lambda var: -(-aval_nbytes(var.aval) // self.size)  # noqa: E731
+        share = device_bytes(jaxpr)
+        unit = lambda var: -(-share(var) // self.size)  # noqa: E731
         inputs = sum(unit(var) for var, axis in self.inputs(jaxpr) if axis is not None)
         last_use: dict[core.Var, int] = {}
         for i in self.ordered():
@@ -141,9 +144,10 @@ class SplitRegion:
         uses = graph.uses(var)
         return len(uses) == 1 and uses[0] in self.eqns and jaxpr.eqns[uses[0]].primitive.name in FUSING_CONSUMERS
 
-    def largest_bytes(self) -> int:
-        """The largest value the region computes (the tensor the split avoids)."""
-        return max((aval_nbytes(v.aval) for v in self.var_axis), default=0)
+    def largest_bytes(self, jaxpr: core.Jaxpr | None = None) -> int:
+        """The largest value the region computes (the tensor the split avoids); with ``jaxpr``, one device's share."""
+        share = device_bytes(jaxpr) if jaxpr is not None else (lambda v: aval_nbytes(v.aval))
+        return max((share(v) for v in self.var_axis), default=0)
 
     def min_chunk(self, jaxpr: core.Jaxpr) -> int:
         """Smallest chunk the reductions allow (``top_k`` needs at least ``k`` per slice)."""
@@ -156,30 +160,32 @@ class SplitRegion:
 
 def seeds(jaxpr: core.Jaxpr, threshold: int) -> list[int]:
     """Reducing equations with an operand above ``threshold`` bytes and results at most that
-    (or at most half the operand: with a tiny threshold, ``top_k`` of many rows still reduces)."""
+    (or at most half the operand: with a tiny threshold, ``top_k`` of many rows still reduces);
+    sizes are one device's shares (:mod:`.shares`)."""
     found = []
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    share = device_bytes(jaxpr)
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in SEED_PRIMITIVES:
             continue
-        largest = max(_effective_nbytes(jaxpr, producers, a) for a in eqn.invars)
+        largest = max(_effective_nbytes(share, producers, a) for a in eqn.invars)
         if largest <= threshold:
             continue
-        out = max(aval_nbytes(v.aval) for v in eqn.outvars)
+        out = max(share(v) for v in eqn.outvars)
         if eqn.primitive.name in CUMULATIVE or out <= threshold or 2 * out <= largest:
             found.append(i)
     return found
 
 
-def _effective_nbytes(jaxpr, producers, atom) -> int:
-    """Bytes of ``atom``, or of its producer's largest operand when that is larger
-    (``any(x > 0)`` reduces a small boolean made from a large ``x``)."""
+def _effective_nbytes(share, producers, atom) -> int:
+    """Bytes (``share``: one device's) of ``atom``, or of its producer's largest operand when that is
+    larger (``any(x > 0)`` reduces a small boolean made from a large ``x``)."""
     if not isinstance(atom, core.Var):
         return 0
-    size = aval_nbytes(atom.aval)
+    size = share(atom)
     producer = producers.get(atom)
     if producer is not None and producer.primitive.name in ELEMENTWISE:
-        size = max([size] + [aval_nbytes(a.aval) for a in producer.invars if isinstance(a, core.Var)])
+        size = max([size] + [share(a) for a in producer.invars if isinstance(a, core.Var)])
     return size
 
 
@@ -191,8 +197,9 @@ def seed_labels(jaxpr: core.Jaxpr, seed: int, threshold: int) -> list[object]:
         return []
     labels = []
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    share = device_bytes(jaxpr)
     for atom, ins in zip(eqn.invars, dm.ins):
-        if _effective_nbytes(jaxpr, producers, atom) > threshold:
+        if _effective_nbytes(share, producers, atom) > threshold:
             for d, label in enumerate(ins):
                 if label is not None and atom.aval.shape[d] > 1 and label not in labels:
                     labels.append(label)
@@ -204,6 +211,7 @@ class _Grower:
         self.jaxpr = jaxpr
         self.graph = graph
         self.split_size = split_size
+        self.share = device_bytes(jaxpr)
         self.maps: dict[int, DimMap | None] = {}
 
     def dim_map(self, i: int) -> DimMap:
@@ -215,7 +223,7 @@ class _Grower:
         return dm
 
     def large(self, var) -> bool:
-        return aval_nbytes(var.aval) > self.split_size
+        return self.share(var) > self.split_size
 
     def grow(self, seed: int, label) -> SplitRegion:
         region = SplitRegion(seed, set(), 0, {}, {}, {}, {})

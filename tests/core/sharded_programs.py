@@ -18,6 +18,11 @@ import numpy as np
 #: Settings of every case: the split keeps one iteration's largest value within SPLIT bytes per device.
 THRESHOLD, SPLIT = 2_000_000, 1_000_000
 N, M, D = 4 * 601, 3001, 3      # rows (601 per device: a prime), columns (prime), coordinates
+#: Columns of the per-device threshold case: the (N, M_SMALL, D) difference is 7.8 MB, 1.95 MB per device.
+M_SMALL = 271
+#: Memory limit of the memory-limit case: over one device's footprint of the split program (1.9 MB),
+#: under that program's footprint compiled without the shardings and jax.jit's (7.3 MB).
+LIMIT = 2_500_000
 
 
 def _setup():
@@ -78,6 +83,11 @@ def _compare(name, ours, ref, args, grad_of=None, hlopass_fn=None) -> dict:
         # the report's splits are those of the compiled program: never the sharded rows (axis 0)
         row["split_axes"] = [] if report is None else [r.details["axis"] for r in report.rewrites
                                                        if r.kind == "split"]
+        row["iterations"] = [] if report is None else [r.details["iterations"] for r in report.rewrites
+                                                       if r.kind == "split"]
+        row["memory_checks"] = [] if report is None else [
+            dict(kind=r.kind, **{k: r.details[k] for k in ("footprint", "limit")})
+            for r in report.rewrites if r.kind in ("retry", "memory_check")]
     if grad_of is not None:
         grad_ours = jax.jit(jax.grad(grad_of(ours), argnums=(0, 2)))
         grad_ref = jax.jit(jax.grad(grad_of(ref), argnums=(0, 2)))
@@ -123,6 +133,45 @@ def case_placed(axis_type: str = "Auto", dtype: str = "float32") -> dict:
     explained = hlopass.explain(ours, *args)  # per-device XLA figures before and after the passes
     row["explain"] = dict(before=explained.memory_before.temp_bytes, after=explained.memory_after.temp_bytes,
                           split_axes=[r.details["axis"] for r in explained.report.rewrites if r.kind == "split"])
+    return row
+
+
+def case_per_device_threshold(axis_type: str = "Auto") -> dict:
+    """Rows sharded 4 ways, fewer columns: the (N, M_SMALL, 3) difference is over the threshold as a
+    whole array but each device's quarter is under it: not split (jax.jit's program)."""
+    jax = _setup()
+    import hlopass
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(getattr(AxisType, axis_type),))
+    x, y, v = _inputs(jax, mesh, P("x"))
+    y, v = y[:M_SMALL], v[:M_SMALL]
+    ours = hlopass.jit(kernel_matvec, threshold=THRESHOLD, split_size=SPLIT)
+    row = _compare(f"per_device_{axis_type}", ours, jax.jit(kernel_matvec), (x, y, v), _loss, ours)
+    row["global_difference"] = N * M_SMALL * D * 4
+    row["device_difference"] = N // 4 * M_SMALL * D * 4
+    return row
+
+
+def case_memory_limit(axis_type: str = "Auto") -> dict:
+    """A memory limit between one device's footprint of the split program and the whole program's:
+    the split pass's check compiles with the arguments' shardings (one device's figure), so it fits
+    without splitting again."""
+    jax = _setup()
+    import hlopass
+    from jax.sharding import AxisType, PartitionSpec as P
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(getattr(AxisType, axis_type),))
+    args = _inputs(jax, mesh, P("x"))
+    ours = hlopass.jit(kernel_matvec, threshold=THRESHOLD, split_size=SPLIT, memory_limit=LIMIT)
+    # (gradients under an Explicit mesh with a memory limit: the remat pass compiles the backward
+    # program without the mesh and fails, so that pass is skipped there; not compared here)
+    grad_of = _loss if axis_type == "Auto" else None
+    row = _compare(f"memory_limit_{axis_type}", ours, jax.jit(kernel_matvec), args, grad_of, ours)
+    if axis_type == "Auto":  # the same split program compiled without the shardings: the whole arrays
+        from jax._src import core
+        new = ours.trace(*args).rewritten_jaxpr
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in new.in_avals]
+        row["unsharded"] = _figures(jax.jit(core.jaxpr_as_fun(new)).lower(*specs).compile())
+    row["limit"] = LIMIT
     return row
 
 
@@ -233,6 +282,10 @@ CASES = {
     "placed_explicit": lambda: case_placed("Explicit"),
     "placed_auto_f64": lambda: case_placed("Auto", "float64"),
     "given": case_given,
+    "per_device_auto": lambda: case_per_device_threshold("Auto"),
+    "per_device_explicit": lambda: case_per_device_threshold("Explicit"),
+    "memory_limit_auto": lambda: case_memory_limit("Auto"),
+    "memory_limit_explicit": lambda: case_memory_limit("Explicit"),
     "shard_map_inside": case_shard_map_inside,
     "inside_shard_map": case_inside_shard_map,
     "grad": case_grad,

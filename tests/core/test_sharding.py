@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests import ROOT
-from tests.core.sharded_programs import CASES, SPLIT
+from tests.core.sharded_programs import CASES, LIMIT, M, N, SPLIT, THRESHOLD
 
 pytestmark = pytest.mark.slow
 
@@ -69,10 +69,41 @@ def test_shardings_of_placed_inputs_are_kept(case):
     check_row(row)
     assert row["splits"] >= 1 and 0 not in row["split_axes"], row["split_axes"]
     assert row["value_shardings"][0].startswith("P('x'")
+    # the split size bounds each device's step (a quarter of the rows), not the whole array's: fewer steps
+    column = N // 4 * 4  # bytes of one column of a device's (N/4, M) kernel matrix (the distance is expanded)
+    assert -(-M * column // SPLIT) <= row["iterations"][0] < -(-M * 4 * column // SPLIT), row["iterations"]
     assert row["new_check_per_sharding"] and row["whole_error"] <= TOLERANCE["float32"]
     explained = row["explain"]  # hlopass.explain: the compiled program's splits and per-device figures
     assert explained["split_axes"] == row["split_axes"]
     assert explained["before"] == row["jit"]["temp"] and explained["after"] == row["hlopass"]["temp"]
+
+
+@pytest.mark.parametrize("case", ["per_device_auto", "per_device_explicit"])
+def test_threshold_is_compared_with_each_devices_share(case):
+    """The difference is over the threshold as a whole array but each device's quarter is under it:
+    not split, the program is jax.jit's (values, gradients, shardings equal; the same per-device temp)."""
+    row = _rows()[case]
+    assert row["device_difference"] <= THRESHOLD < row["global_difference"]
+    assert row["splits"] == 0 and row["iterations"] == []
+    assert row["value_error"] <= TOLERANCE["float32"] and row["grad_error"] <= TOLERANCE["float32"], row
+    assert row["same_value_shardings"] and row["same_grad_shardings"], row
+    assert row["hlopass"]["temp"] <= 1.05 * row["jit"]["temp"], (row["hlopass"], row["jit"])
+    assert within_split_bound(row["hlopass"]) and within_split_bound(row["grad_hlopass"]), row
+
+
+@pytest.mark.parametrize("case", ["memory_limit_auto", "memory_limit_explicit"])
+def test_split_pass_checks_one_devices_footprint(case):
+    """With a memory limit, the split pass compiles its program with the arguments' shardings: one
+    device's footprint (equal to the compiled function's) is within the limit, so it does not split
+    again, though the same program compiled on whole arrays would be over it."""
+    row = _rows()[case]
+    check_row(row, grads=case.endswith("auto"))
+    (entry,) = row["memory_checks"]
+    figures = row["hlopass"]
+    assert entry["kind"] == "memory_check" and entry["limit"] == LIMIT
+    assert entry["footprint"] == figures["temp"] + figures["arguments"] + figures["outputs"] <= LIMIT, entry
+    if case.endswith("auto"):
+        assert sum(row["unsharded"].values()) > LIMIT, row["unsharded"]
 
 
 def test_float64_placed_inputs():
@@ -85,12 +116,13 @@ def test_in_and_out_shardings_given():
 
 
 def test_shard_map_inside_a_hlopass_function():
-    """Row 3: a shard_map body (with a psum) is split under its manual axes. Its gradient is right
-    and keeps the shardings but is not bounded: the backward program passes the large per-device
-    value from the recomputed forward shard_map to the transposed one (see README, Limitations)."""
+    """Row 3: a shard_map body (with a psum) is split under its manual axes. Its gradient is bounded
+    too: the backward program's recomputed forward shard_map and the transposed one, which reads its
+    large per-device values, are joined into one body and split across them."""
     row = _rows()["shard_map_inside"]
-    check_row(row, bounded_grads=False)
+    check_row(row)
     assert row["splits"] >= 1
+    assert row["grad_hlopass"]["temp"] < row["grad_jit"]["temp"] / 4, (row["grad_hlopass"], row["grad_jit"])
 
 
 def test_hlopass_function_inside_a_shard_map_body():

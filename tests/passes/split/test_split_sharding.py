@@ -14,6 +14,8 @@ from hlopass import settings, sharding
 from hlopass.passes.split import SplitPass, sharded_values
 
 N, M = 400, 301
+#: Rows sharded 4 ways: each device's share of the (4N, M, 3) difference is that of the unsharded (N, M, 3) one.
+ROWS4 = ((4 * N, 3), (M, 3), (M,))
 CONFIG = settings.resolve({"threshold": "400kB", "split_size": "200kB", "passes": "split"})
 
 
@@ -44,34 +46,46 @@ def run_split(closed):
 
 
 def test_explicit_rows_sharded_splits_the_other_axis():
-    new, report = run_split(traced(kmv, [P("x"), P(), P()]))
+    new, report = run_split(traced(kmv, [P("x"), P(), P()], shapes=ROWS4))
     assert split_axes(report) == [(1, M)]
-    assert str(new.out_avals[0]) == "float32[400@x]"
+    assert str(new.out_avals[0]) == f"float32[{4 * N}@x]"
 
 
-def test_unsharded_program_splits_the_rows():
-    """The same program without shardings splits axis 0 (so the tests above can fail)."""
-    _, report = run_split(traced(kmv, [P(), P(), P()]))
-    assert split_axes(report) == [(0, N)]
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_threshold_compares_each_devices_share(kind):
+    """N rows sharded 4 ways: the (N, M, 3) difference is over the threshold as a whole array
+    (1.4 MB) but each device holds a quarter (361 kB, under 400 kB): nothing to split. The same
+    program unsharded is split (test_unsharded_program_splits_the_rows)."""
+    if kind == AxisType.Explicit:
+        closed = traced(kmv, [P("x"), P(), P()])
+        _, report = run_split(closed)
+    else:
+        closed = jax.make_jaxpr(kmv)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+        with sharding.inputs_sharded(((4, 1), None, None)):
+            _, report = run_split(closed)
+    assert split_axes(report) == []
 
 
-def test_both_axes_sharded_only_the_unsharded_axis_is_split():
-    two = AbstractMesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
-    with jax.sharding.use_abstract_mesh(two):
-        avals = [core.ShapedArray(s, jnp.float32, sharding=NamedSharding(two, p))
-                 for s, p in zip([(N, 3), (M + 3, 3)], [P("x"), P("y")])]
-        closed = jax.make_jaxpr(lambda x, y: jnp.exp(-jnp.sum((x[:, None] - y[None]) ** 2, -1)).sum(1))(*avals)
-    _, report = run_split(closed)
-    assert split_axes(report) and all(size == 3 for _, size in split_axes(report))  # the coordinates only
+def test_split_size_bounds_each_devices_share():
+    """Rows sharded 4 ways: a step holds as many columns as fit in the split size on one device, 4
+    times what would fit if the whole (global) step had to (fewer iterations)."""
+    closed = jax.make_jaxpr(kmv)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    with sharding.inputs_sharded(((4, 1), None, None)):
+        _, report = run_split(closed)
+    (entry,) = [r for r in report.rewrites if r.kind == "split"]
+    column = N * 3 * 4  # bytes of one column of each device's (N, M, 3) difference
+    assert entry.details["axis"] == 1 and entry.details["chunk_bytes"] == entry.details["chunk"] * column
+    assert entry.details["chunk"] * column <= CONFIG.split_size < entry.details["chunk"] * 4 * column
+    assert "per device" in entry.summary
 
 
 def test_jit_argument_shardings_under_an_auto_mesh():
-    closed = jax.make_jaxpr(kmv)(jnp.zeros((N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    closed = jax.make_jaxpr(kmv)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
     with sharding.inputs_sharded(((4, 1), None, None)):
         _, report = run_split(closed)
     assert split_axes(report) == [(1, M)]
     _, report = run_split(closed)
-    assert split_axes(report) == [(0, N)]
+    assert split_axes(report) == [(0, 4 * N)]
 
 
 def test_with_sharding_constraint_marks_the_axis():
@@ -123,6 +137,68 @@ def test_shard_map_body_split_with_varying_carries(collective):
     assert any(name.startswith(collective) for name in names), names  # left in place
 
 
+def test_shard_map_body_does_not_take_the_jit_arguments_shardings():
+    """A body with as many inputs of the same ranks as the program is not the program: its block's
+    rows are each device's own (split along axis 0, at their full per-device size)."""
+    m = mesh(AxisType.Auto)
+
+    def program(x, y, v):
+        return jax.shard_map(kmv, mesh=m, in_specs=(P("x"), P(), P()), out_specs=P("x"))(x, y, v)
+    with jax.sharding.use_abstract_mesh(m):
+        closed = jax.make_jaxpr(program)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M))
+    with sharding.inputs_sharded(((4, 1), None, None)):
+        _, report = run_split(closed)
+    assert split_axes(report) == [(0, N)]
+
+
+def _shard_map_grad():
+    m = mesh(AxisType.Auto)
+
+    def program(x, y, v):
+        def body(a, b, c):
+            local = kmv(a, b, c)
+            return local / jax.lax.psum(local.sum(), "x")
+        return jax.shard_map(body, mesh=m, in_specs=(P("x"), P(), P()), out_specs=P("x"))(x, y, v)
+    def pullback(x, y, v, ct):  # as hlopass's backward program: the cotangent is an input
+        return jax.vjp(program, x, y, v)[1](ct)
+    with jax.sharding.use_abstract_mesh(m):
+        return jax.make_jaxpr(pullback)(jnp.zeros((4 * N, 3)), jnp.zeros((M, 3)), jnp.zeros(M), jnp.zeros(4 * N))
+
+
+def test_gradient_shard_maps_joined_across_their_residuals():
+    """The pullback of a shard_map: the forward body's per-device residuals (N x M on each device) go
+    to the transposed body. The split pass joins the two shard_maps, so that one body computes and
+    reads them, and splits across them: no value over the split size is left in the joined body."""
+    closed = _shard_map_grad()
+    maps = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert len(maps) == 2
+    residuals = [v for v in maps[1].params["jaxpr"].invars if v.aval.size * 4 > CONFIG.split_size]
+    assert residuals  # the large per-device values cross from one shard_map to the other
+    new, report = run_split(closed)
+    assert [r.kind for r in report.rewrites][0] == "join" and split_axes(report)
+    (joined,) = [e for e in new.jaxpr.eqns if e.primitive.name == "shard_map"]
+    body = joined.params["jaxpr"]
+    assert all(v.aval.size * 4 <= CONFIG.threshold for v in body.invars + body.outvars if hasattr(v, "aval"))
+    top = [e for e in body.eqns if e.primitive.name not in ("scan", "while")]
+    assert all(v.aval.size * 4 <= CONFIG.threshold for e in top for v in e.outvars)
+    names = [e.primitive.name for e in body.eqns]
+    assert any(name.startswith("psum") for name in names), names  # the collectives stay
+
+
+def test_shard_maps_with_different_specs_are_not_joined():
+    """A residual passed out with one spec and read back with another is not a device's own block."""
+    from hlopass.passes.split.fuse import fuse_shard_maps
+    closed = _shard_map_grad()
+    maps = [i for i, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "shard_map"]
+    second = closed.jaxpr.eqns[maps[1]]
+    specs = tuple(P() if isinstance(s, P) and s == P("x") else s for s in second.params["in_specs"])
+    eqns = list(closed.jaxpr.eqns)
+    eqns[maps[1]] = second.replace(params=dict(second.params, in_specs=specs))
+    changed = core.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+    assert fuse_shard_maps(changed, CONFIG.threshold)[1] == 0
+    assert fuse_shard_maps(closed, CONFIG.threshold)[1] == 1
+
+
 @pytest.mark.parametrize("text, meshes, rank, expected", [
     ('#sdy.sharding<mesh<["x"=4]>, [{"x"}, {}]>', {}, 2, (4, 1)),
     ('#sdy.sharding<@mesh, [{}, {"x", "y"}]>', {"mesh": {"x": 2, "y": 3}}, 2, (1, 6)),
@@ -132,3 +208,17 @@ def test_shard_map_body_split_with_varying_carries(collective):
 ])
 def test_sdy_sharding_attributes(text, meshes, rank, expected):
     assert sharding.parse_sdy_sharding(text, meshes, rank) == expected
+
+
+@pytest.mark.parametrize("text, rank, spec", [
+    ('#sdy.sharding<mesh<["x"=1]>, [{"x"}, {}]>', 2, P("x", None)),
+    ('#sdy.sharding<@mesh, [{}, {"x", "y"}]>', 2, P(None, ("x", "y"))),
+    ('#sdy.sharding<@mesh, [{"x":(1)1}, {}]>', 2, None),       # sub-axes: not rebuilt
+    ('#sdy.sharding<mesh<["x"=1]>, [{"x"}]>', 2, None),        # rank mismatch
+    ('#sdy.sharding<mesh<["x"=8]>, [{"x"}]>', 1, None),        # more devices than there are
+])
+def test_named_shardings_rebuilt_from_sdy_attributes(text, rank, spec):
+    """The split pass's memory check compiles with these (one device's figures)."""
+    found = sharding._named_sharding(text, {"mesh": {"x": 1, "y": 1}}, rank, jax.devices()[:1])
+    assert (found is None) if spec is None else (found.spec == spec and dict(found.mesh.shape) in
+                                                 ({"x": 1}, {"x": 1, "y": 1}))
