@@ -16,11 +16,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
+from hlopass.sharding import distributed_type, input_shards
 from hlopass.sizes import format_size
 
 
@@ -48,12 +50,17 @@ def finite_or_written(fast: Sequence[Any], written: Callable[..., Sequence[Any]]
 SPLITS_REGIONS = "split_regions"
 
 
-def why_unguarded(result_aval, written_peak_bytes: int, threshold: int | None, splitter: str | None) -> str | None:
+def why_unguarded(result_aval, written_peak_bytes: int, threshold: int | None, splitter: str | None,
+                  operand_avals=()) -> str | None:
     """Why a rewrite gets no finite guard, or ``None`` when it gets one: the written program peaks
     over the threshold and a later pass (``splitter``) splits it in the guard's branch, so the branch
     holds at most a split step (a branch keeping a smaller written program whole would hold memory
     the rewrite saved); and the result is at most the threshold (a branch around a larger one would
-    hide it from the split pass, which must split its readers)."""
+    hide it from the split pass, which must split its readers). Not in a sharded program: the split
+    pass does not always see the arguments' shardings inside the branch, so it could split a sharded
+    axis there (gathering it onto every device); a process with several devices counts as sharded."""
+    if _sharded(list(operand_avals) + [result_aval]):
+        return "not guarded: a sharded program"
     if threshold is not None and aval_nbytes(result_aval) > threshold:
         return f"not guarded: the {aval_str(result_aval)} result is over the threshold"
     if threshold is None or written_peak_bytes <= threshold:
@@ -61,3 +68,12 @@ def why_unguarded(result_aval, written_peak_bytes: int, threshold: int | None, s
     if splitter is None:
         return "not guarded: no later pass splits the written form"
     return None
+
+
+def _sharded(avals) -> bool:
+    """Whether the program being rewritten may be cut across devices: these values or its arguments
+    are, or the process has several devices (a backward program lowered under an outer ``jax.jit``
+    does not always learn its operands' shardings)."""
+    shards = input_shards() or ()
+    return (jax.device_count() > 1 or any(distributed_type(a) for a in avals)
+            or any(s is not None and any(p > 1 for p in s) for s in shards))

@@ -132,7 +132,8 @@ def finite_guard(closed: core.ClosedJaxpr, c: Candidate, threshold: int | None, 
     program in its branch."""
     if same_products(c.expansion, c.output_labels):
         return None, None
-    caveat = why_unguarded(c.eqn.outvars[0].aval, c.removed.nbytes, threshold, splitter)
+    caveat = why_unguarded(c.eqn.outvars[0].aval, c.removed.nbytes, threshold, splitter,
+                           [v.aval for v in c.expander.sources])
     if caveat:
         return None, caveat
     return written_between(closed, list(c.expander.sources), list(c.eqn.outvars)), None
