@@ -42,6 +42,8 @@ def test_table_ratios_reference_and_not_run():
     assert "| 8.60 GB | 34.43 GB | 1 s | not run: XLA temp 34.43 GB over the run limit" in text, text
     assert "| 1 s | 1.5 s | 1.00 | 1.0e-01 |" in text, text
     assert "| 0.5 s | 0.6 s | 2.00 | - |" in text, text
+    assert bench_attention.attention_bounds({**rows[1], "all_io_bytes": 8e4}) == (True, True)
+    assert bench_attention.attention_bounds({**rows[0], "all_io_bytes": 8e4}) == (False, False)
 
 
 @pytest.mark.slow
