@@ -457,8 +457,10 @@ def _bind_dot(eqn, invals, params) -> list:
     lshape, rshape = jnp.shape(lhs), jnp.shape(rhs)
     lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+
     def vector_against_transposed(vshape, vfree, mshape, mfree, mcontract, contract_last):
-        return (all(vshape[d] == 1 for d in vfree) and mfree and any(mshape[d] > 1 for d in mfree)
+        return (bool(mcontract) and all(vshape[d] == 1 for d in vfree) and bool(mfree)
+                and any(mshape[d] > 1 for d in mfree)
                 and (max(mfree) < min(mcontract) if contract_last else max(mcontract) < min(mfree)))
 
     swap = params.get("out_sharding") is None and (
@@ -466,7 +468,11 @@ def _bind_dot(eqn, invals, params) -> list:
         or vector_against_transposed(rshape, rfree, lshape, lfree, lc, contract_last=False))
     if not swap:
         return bind_equation(eqn, invals, params)
-    out = bind_equation(eqn, [rhs, lhs], {**params, "dimension_numbers": ((rc, lc), (rb, lb))})[0]
+    precision = params.get("precision")
+    if isinstance(precision, tuple):  # one per operand
+        precision = precision[::-1]
+    out = bind_equation(eqn, [rhs, lhs], {**params, "dimension_numbers": ((rc, lc), (rb, lb)),
+                                          "precision": precision})[0]
     nb, nr, nl = len(lb), len(rfree), len(lfree)
     perm = list(range(nb)) + [nb + nr + i for i in range(nl)] + [nb + i for i in range(nr)]
     return [lax.transpose(out, perm)]

@@ -413,6 +413,25 @@ def test_decoding_vector_products_swapped_equal(dtype):
     tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
     q, k, v = decoding_inputs(dtype)
     check_online(decoding_padded, q, k, v, loops=1, rtol=tol, atol=tol, grad_argnums=(0, 1, 2))
-    if dtype == jnp.float32:
-        compiled = split_jit(decoding_padded, THRESHOLD).lower(q, k, v).compile()
+    if dtype == jnp.float32:  # one head: the slices need no transpose at all (with heads, [S, N, H] -> [N, S, H])
+        compiled = split_jit(decoding_padded, THRESHOLD).lower(q[:, :, :1], k[:, :, :1], v[:, :, :1]).compile()
         assert "transpose(" not in compiled.as_text()
+
+
+@pytest.mark.parametrize("lshape,rshape,dims", [
+    ((1, 1, 2, 8), (1, 50, 2, 8), (((3,), (3,)), ((0, 2), (0, 2)))),   # one query . keys [S, H]: swapped
+    ((1, 50, 2, 8), (1, 2, 1, 50), (((1,), (3,)), ((0, 2), (0, 1)))),  # values [S, H] . weights: swapped
+    ((3,), (4,), (((), ()), ((), ()))),                                # an outer product: left alone
+    ((5, 8), (8, 7), (((1,), (0,)), ((), ()))),                        # a matrix product: left alone
+])
+def test_step_dot_with_operands_swapped_equals_dot_general(lshape, rshape, dims):
+    from jax import lax
+
+    from hlopass.passes.split.emit import _bind_dot
+    a, b = normal(0, lshape), normal(1, rshape)
+    precision = (lax.Precision.HIGHEST, lax.Precision.DEFAULT)
+    eqn = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, dims, precision=precision))(a, b).eqns[0]
+    want = lax.dot_general(a, b, dims, precision=precision)
+    (got,) = _bind_dot(eqn, [a, b], eqn.params)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
