@@ -1,6 +1,7 @@
 """Carried-state splits (issue 16): online logsumexp/softmax along keys, prefix sums along a sequence.
 
     python tools/bench_online.py [--rows a,b] [--repeats R] [--cap 12GB] [--tiny] [--json PATH]
+    python tools/bench_online.py --side-by-side [--rows a,b] [--repeats R] [--tiny] [--json PATH]
 
 Each row of the issue's table at full size (``--tiny``: small sizes, a smoke run), each column in its
 own child process under an address-space cap:
@@ -12,14 +13,19 @@ own child process under an address-space cap:
   attention; ``jax.grad`` of it for its gradient).
 
 The ``decoding`` row (``jax.nn.dot_product_attention``, 1 query against 4,000,000 keys) is not in the
-issue's table but in its benchmark list; attention at sequence 16,384 with 8 heads is not measured here.
+issue's table but in its benchmark list; attention at sequence 16,384 with 8 heads is
+``tools/bench_attention.py``.
 
 Reported per column: the largest tensor the program builds for itself (lowered StableHLO, loop bodies
 included, loops' carried state and tensors with an argument's or result's dimensions aside), XLA temp,
 compile and median run time, and the largest difference from ``plain`` relative to its largest
-magnitude. The hlopass column must keep its own largest tensor within 1.5x the split size and XLA temp
-within 3x the split size plus twice the largest argument or result; the script exits non-zero
-otherwise. Writes JSON rows (``tools/results/online.json`` by default).
+magnitude; the JSON also holds each column's median process CPU time (all threads; steadier than the
+wall clock on a loaded machine). The hlopass column must keep its own largest tensor within 1.5x the
+split size and XLA temp within 3x the split size plus twice the largest argument or result; the script
+exits non-zero otherwise. Writes JSON rows (``tools/results/online.json`` by default).
+
+``--side-by-side`` compiles hlopass and the hand loop of each row in one process and calls them in
+turns (no cap, no plain column): the per-step cost of the two loops compared under the same load.
 """
 
 from __future__ import annotations
@@ -284,18 +290,50 @@ def measure(row: str, column: str, tiny: bool, repeats: int) -> dict:
         result["compile_seconds"] = time.perf_counter() - start
         result["xla_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
         out = jax.block_until_ready(compiled(*args))
-        times = []
+        times, cpu = [], []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(compiled(*args))
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         result["median_seconds"] = statistics.median(times)
+        result["median_cpu_seconds"] = statistics.median(cpu)  # every thread's CPU time: steadier under load
         result["own_largest_bytes"] = own_largest(module, args, out)
         result["io_bytes"] = max(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves((args, out)))
         result["sample"] = _sample(out)
     except Exception as err:  # noqa: BLE001 - reported, the parent decides
         result.update(status="failed", error=short_error(err))
     return result
+
+
+def side_by_side(names: list[str], tiny: bool, repeats: int) -> list[dict]:
+    """hlopass and the hand loop of each row compiled in this process and called in turns, ``repeats``
+    times each: median process CPU time (every thread) and wall time, and their ratio."""
+    import jax
+
+    import hlopass
+    rows = []
+    for name in names:
+        plain, hand, args, threshold = program(name, tiny)
+        compiled = {"hlopass": hlopass.jit(plain, passes="split", threshold=threshold, split_size=threshold)
+                    .lower(*args).compile(), "hand": jax.jit(hand).lower(*args).compile()}
+        cpu, wall = {k: [] for k in compiled}, {k: [] for k in compiled}
+        for fn in compiled.values():
+            jax.block_until_ready(fn(*args))
+        for _ in range(repeats):
+            for k, fn in compiled.items():
+                start, start_cpu = time.perf_counter(), time.process_time()
+                jax.block_until_ready(fn(*args))
+                wall[k].append(time.perf_counter() - start)
+                cpu[k].append(time.process_time() - start_cpu)
+        row = {"row": name, **{f"{k}_cpu_seconds": statistics.median(v) for k, v in cpu.items()},
+               **{f"{k}_wall_seconds": statistics.median(v) for k, v in wall.items()}}
+        row["hlopass_over_hand_cpu"] = row["hlopass_cpu_seconds"] / row["hand_cpu_seconds"]
+        print(f"{name:24s} CPU hlopass {row['hlopass_cpu_seconds']:.3g} s, hand {row['hand_cpu_seconds']:.3g} s, "
+              f"ratio {row['hlopass_over_hand_cpu']:.2f} (wall {row['hlopass_wall_seconds']:.3g} s, "
+              f"{row['hand_wall_seconds']:.3g} s)", flush=True)
+        rows.append(row)
+    return rows
 
 
 def relative_difference(a, b) -> float | None:
@@ -353,6 +391,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cap", default="12GB", help="address-space cap per child")
     parser.add_argument("--tiny", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--json", help="write the rows here (default tools/results/online.json; tiny: none)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="hlopass and the hand loop in one process, called in turns: CPU time and its ratio")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -363,6 +403,12 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; accepted: {', '.join(ROWS)}")
+    if args.side_by_side:
+        rows = side_by_side(names, args.tiny, args.repeats)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"side_by_side": rows}, fh, indent=1)
+        return 0
     rows = []
     for name in names:
         for column in COLUMNS:
@@ -376,7 +422,8 @@ def main(argv=None) -> int:
             print(f"{name:24s} {column:8s} {result.get('status')} "
                   f"own largest {format_size(result.get('own_largest_bytes', 0))} "
                   f"temp {format_size(result.get('xla_temp_bytes', 0))} "
-                  f"time {result.get('median_seconds', float('nan')):.3g} s {result.get('error', '')}", flush=True)
+                  f"time {result.get('median_seconds', float('nan')):.3g} s "
+                  f"(CPU {result.get('median_cpu_seconds', float('nan')):.3g} s) {result.get('error', '')}", flush=True)
     print(table(rows))
     failures = []
     for r in rows:

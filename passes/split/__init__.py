@@ -501,6 +501,10 @@ def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: Split
     covered = sum(share(v) for v in region.var_axis if v not in outputs and share(v) > config.split_size)
     if not any(share(v) > config.threshold for v in region.var_axis if v not in outputs):
         return None
+    seed = jaxpr.eqns[region.seed]
+    pos = max(range(len(seed.invars)), key=lambda k: aval_nbytes(seed.invars[k].aval))
+    if aval_nbytes(seed.invars[pos].aval) > config.threshold and region.operand_axis.get((region.seed, pos)) is None:
+        return None  # the reducer's large operand would be read whole each step (a small threshold's other values)
     per_unit = max(region.per_unit_bytes(jaxpr), 1)
     peak = max(region.peak_per_unit_bytes(jaxpr, graph), 1)
     fits = int(min(config.split_size // per_unit, options.live_budget * config.split_size // peak))

@@ -199,9 +199,11 @@ class LoopPlan:
             invals = [_positive_nan(invals[0])]
         if monoid == "top_k" and size < eqn.params["k"]:
             outs = _whole_slice_as_top_k(eqn, invals[0])
-        elif monoid == "add" and eqn.primitive.name == "dot_general" and _is_low_float(eqn.outvars[0].aval.dtype):
-            # partial products stay in float32 until the end, as XLA accumulates one dot
-            outs = bind_equation(eqn, invals, {**params, "preferred_element_type": jnp.dtype(jnp.float32)})
+        elif eqn.primitive.name == "dot_general":
+            if monoid == "add" and _is_low_float(eqn.outvars[0].aval.dtype):
+                # partial products stay in float32 until the end, as XLA accumulates one dot
+                params = {**params, "preferred_element_type": jnp.dtype(jnp.float32)}
+            outs = _bind_dot(eqn, invals, params)
         else:
             outs = bind_equation(eqn, invals, params)
         if eqn.primitive.name in NAN_PROPAGATING and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
@@ -441,6 +443,39 @@ class LoopPlan:
         best, where = bind_equation(eqn, [values])
         new_state[slots[0]] = best
         new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
+
+
+def _bind_dot(eqn, invals, params) -> list:
+    """A step's ``dot_general``. A vector against a matrix laid out the other way round from what XLA
+    wants of that operand (a slice of keys ``[..., S, H]`` on the right contracting ``H``, of values
+    ``[..., S, H]`` on the left contracting ``S``: one query's scores, its weighted sum) is bound with
+    the operands swapped, so XLA:CPU reads the slice as it lies instead of copying it transposed
+    every step (a matrix-vector product either way); the result's dimensions are put back with a
+    transpose of unit dimensions."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs = invals
+    lshape, rshape = jnp.shape(lhs), jnp.shape(rhs)
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+
+    def vector_against_transposed(vshape, vfree, mshape, mfree, mcontract, contract_last):
+        return (bool(mcontract) and all(vshape[d] == 1 for d in vfree) and bool(mfree)
+                and any(mshape[d] > 1 for d in mfree)
+                and (max(mfree) < min(mcontract) if contract_last else max(mcontract) < min(mfree)))
+
+    swap = params.get("out_sharding") is None and (
+        vector_against_transposed(lshape, lfree, rshape, rfree, rc, contract_last=True)
+        or vector_against_transposed(rshape, rfree, lshape, lfree, lc, contract_last=False))
+    if not swap:
+        return bind_equation(eqn, invals, params)
+    precision = params.get("precision")
+    if isinstance(precision, tuple):  # one per operand
+        precision = precision[::-1]
+    out = bind_equation(eqn, [rhs, lhs], {**params, "dimension_numbers": ((rc, lc), (rb, lb)),
+                                          "precision": precision})[0]
+    nb, nr, nl = len(lb), len(rfree), len(lfree)
+    perm = list(range(nb)) + [nb + nr + i for i in range(nl)] + [nb + i for i in range(nr)]
+    return [lax.transpose(out, perm)]
 
 
 #: Reductions whose floating results follow IEEE-754 maximum/minimum (NaN wins), whatever kernel

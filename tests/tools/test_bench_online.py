@@ -43,3 +43,12 @@ def test_tiny_run_is_bounded_and_equal(tmp_path):
     ours = next(r for r in rows if r["column"] == "hlopass")
     assert ours["own_largest_bytes"] <= 1.5 * ours["threshold"]
     assert any("rescaled" in s for s in ours["splits"]), ours["splits"]
+
+
+def test_side_by_side_tiny(tmp_path):
+    out = tmp_path / "side.json"
+    assert bench_online.main(["--side-by-side", "--tiny", "--rows", "decoding", "--repeats", "1",
+                              "--json", str(out)]) == 0
+    import json
+    (row,) = json.loads(out.read_text())["side_by_side"]
+    assert row["row"] == "decoding" and row["hlopass_cpu_seconds"] > 0 and row["hand_cpu_seconds"] > 0

@@ -361,3 +361,77 @@ def test_random_softmax_programs_match_jax_jit(rows, keys, logits, mask, head, s
     # the logits over the split size, a vector along the keys (a mask's iota) well under it
     threshold = 2 * keys * 4
     check_online(program, a, b, v, threshold=threshold, rtol=1e-4, atol=1e-4)
+
+
+# -- many queries x many keys: one key column over every query is already over the split size -----
+
+QUERIES, KEYS_LONG = 307, 401  # primes: remainder steps along both axes
+LONG_THRESHOLD = 2_000         # one key column (2 heads x 307 queries, float32) is 2,456 bytes
+
+
+def long_inputs(dtype=jnp.float32):
+    kv = (1, KEYS_LONG, 2, 4)
+    return normal(0, (1, QUERIES, 2, 4), dtype), normal(1, kv, dtype), normal(2, kv, dtype)
+
+
+def long_causal(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def long_padded(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, mask=(jnp.arange(KEYS_LONG) < 250)[None, None, None, :])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,dtype", [(long_padded, jnp.float32), (long_causal, jnp.float32),
+                                      (long_causal, jnp.bfloat16)])
+def test_queries_and_keys_split_together_nested(fn, dtype):
+    """Neither axis alone brings the scores under the split size: the queries' loop is split again along
+    the keys inside (one online loop per block of queries); bounded, values and gradients equal."""
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    q, k, v = long_inputs(dtype)
+    done = check_online(fn, q, k, v, threshold=LONG_THRESHOLD, rtol=tol, atol=tol, grad_argnums=(0, 1, 2))
+    outer = [r for r in done if r.details["nested"]]
+    assert outer and any(r.details["size"] in (QUERIES, KEYS_LONG) for r in outer), [r.summary for r in done]
+    assert any("running maximum" in " ".join(r.details["carried"]) for r in done), [r.summary for r in done]
+
+
+# -- one query against many keys (decoding): the step's products read the key and value slices as they lie --
+
+def decoding_inputs(dtype=jnp.float32):
+    return normal(0, (1, 1, 2, 8), dtype), normal(1, (1, 4001, 2, 8), dtype), normal(2, (1, 4001, 2, 8), dtype)
+
+
+def decoding_padded(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, mask=(jnp.arange(4001) < 3001)[None, None, None, :])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decoding_vector_products_swapped_equal(dtype):
+    """``q . k_slice`` and ``p . v_slice`` are bound with the operands swapped (a matrix-vector product
+    XLA:CPU does without copying the slice transposed each step); values and gradients equal."""
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    q, k, v = decoding_inputs(dtype)
+    check_online(decoding_padded, q, k, v, loops=1, rtol=tol, atol=tol, grad_argnums=(0, 1, 2))
+    if dtype == jnp.float32:  # one head: the slices need no transpose at all (with heads, [S, N, H] -> [N, S, H])
+        compiled = split_jit(decoding_padded, THRESHOLD).lower(q[:, :, :1], k[:, :, :1], v[:, :, :1]).compile()
+        assert "transpose(" not in compiled.as_text()
+
+
+@pytest.mark.parametrize("lshape,rshape,dims", [
+    ((1, 1, 2, 8), (1, 50, 2, 8), (((3,), (3,)), ((0, 2), (0, 2)))),   # one query . keys [S, H]: swapped
+    ((1, 50, 2, 8), (1, 2, 1, 50), (((1,), (3,)), ((0, 2), (0, 1)))),  # values [S, H] . weights: swapped
+    ((3,), (4,), (((), ()), ((), ()))),                                # an outer product: left alone
+    ((5, 8), (8, 7), (((1,), (0,)), ((), ()))),                        # a matrix product: left alone
+])
+def test_step_dot_with_operands_swapped_equals_dot_general(lshape, rshape, dims):
+    from jax import lax
+
+    from hlopass.passes.split.emit import _bind_dot
+    a, b = normal(0, lshape), normal(1, rshape)
+    precision = (lax.Precision.HIGHEST, lax.Precision.DEFAULT)
+    eqn = jax.make_jaxpr(lambda a, b: lax.dot_general(a, b, dims, precision=precision))(a, b).eqns[0]
+    want = lax.dot_general(a, b, dims, precision=precision)
+    (got,) = _bind_dot(eqn, [a, b], eqn.params)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
