@@ -24,10 +24,12 @@ class Exclusion:
     deviation: str = ""
 
 
-NAN_SEEING_REDUCERS = ("reduce:max", "reduce:min", "reduce:argmax", "reduce:logsumexp", "reduce:softmax_matvec")
+NAN_SEEING_REDUCERS = ("reduce:max", "reduce:min", "reduce:argmax", "reduce:logsumexp", "reduce:softmax_matvec",
+                       "reduce:top_k", "post:top_k", "map:clip")
 
 EXCLUSIONS: list[Exclusion] = [
-    # split: max/min propagate NaN as JAX documents; XLA:CPU's fused large reductions skip it
+    # split: max/min/clip propagate NaN and top_k ranks it first, as JAX documents; XLA:CPU's fused large
+    # kernels sometimes skip it (a NaN made inside the program from Inf·0 too, so any special input)
     Exclusion("test_split_max_and_min_propagate_nan",
               lambda p, mode: bool(p.specials) and any(p.has(r) for r in NAN_SEEING_REDUCERS),
               deviation="README, The split pass, NaN"),

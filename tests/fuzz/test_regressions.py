@@ -83,6 +83,23 @@ def test_split_max_and_min_propagate_nan(reduce):
     np.testing.assert_array_equal(np.asarray(ours(x, y)), want(x[:, None, :] - y[None], axis=0))
 
 
+def test_split_top_k_and_clip_follow_jax_nan_semantics():
+    """The same documented deviation for ``top_k`` (NaN ranked first) and ``clip`` (NaN kept), with the NaN
+    made inside the program from Inf·0, as the fuzzer draws it (seeds 128, 145): the split follows JAX's
+    documented semantics (NumPy's, below), whatever XLA:CPU's fused kernels do under plain ``jax.jit``."""
+    x, y = rng.integers(-3, 4, size=(95, 3)).astype(np.float32), rng.integers(-3, 4, size=(191, 3)).astype(np.float32)
+    x[7, 1], y[:, 1] = np.inf, 0.0
+    fn = lambda x, y: lax.top_k(jnp.clip(x @ y.T, -1, 2), 2)[0]  # noqa: E731
+    ours = hlopass.jit(fn, threshold="12kB")
+    assert ours.trace(x, y).report.rewrites
+    with np.errstate(invalid="ignore"):
+        scores = np.clip(x.astype(np.float64) @ y.T.astype(np.float64), -1, 2)
+    nans = np.isnan(scores).sum(axis=1, keepdims=True)
+    want = -np.sort(-np.where(np.isnan(scores), np.inf, scores), axis=1)[:, :2]   # NaN above every number
+    want[np.arange(2)[None, :] < nans] = np.nan
+    np.testing.assert_array_equal(np.asarray(ours(x, y)), want.astype(np.float32))
+
+
 def test_split_float16_dot_accumulates_like_xla():
     xs, ys = normal(4, 60000, dtype=np.float16), normal(60000, dtype=np.float16)
     fn = lambda x, y: jnp.sin(x) @ y  # noqa: E731
