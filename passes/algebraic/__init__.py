@@ -130,8 +130,8 @@ def finite_guard(closed: core.ClosedJaxpr, c: Candidate, threshold: int | None, 
     or a reason there is none: its products are the written ones, its result is over the threshold
     (a branch around it would hide it from the split pass), or nothing would bound the written
     program in its branch."""
-    if same_products(c.expansion, c.output_labels):
-        return None, None
+    if same_products(c.expansion, c.output_labels) or (c.plan is not None and c.plan.squares):
+        return None, None  # the written products, or a pairwise distance emitted with plain's Inf/NaN
     caveat = why_unguarded(c.eqn.outvars[0].aval, c.removed.nbytes, threshold, splitter,
                            [v.aval for v in c.expander.sources])
     if caveat:
