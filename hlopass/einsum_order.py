@@ -6,6 +6,8 @@ them search orders the same way and handle an infeasible cap the same way.
 
 from __future__ import annotations
 
+import functools
+
 import opt_einsum
 
 
@@ -15,14 +17,23 @@ def cheapest_order(inputs, output, sizes, memory_limit: int | None = None, searc
 
     ``inputs`` are the operands' label sets, ``output`` the result's, ``sizes``
     each label's extent. Returns opt_einsum's linear path (a list of tuples),
-    or ``None`` when no pairwise order keeps within the cap.
+    or ``None`` when no pairwise order keeps within the cap. Searches are cached by their
+    arguments: a deep network repeats the same product in every layer.
     """
+    key = (tuple(frozenset(i) for i in inputs), frozenset(output), frozenset(dict(sizes).items()))
+    path = _cached_order(key, memory_limit, search_outer)
+    return None if path is None else list(path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_order(key, memory_limit: int | None, search_outer: bool):
+    inputs, output, sizes = key
     optimizer = opt_einsum.paths.DynamicProgramming(minimize="flops", cost_cap=True, search_outer=search_outer)
     try:
         path = optimizer([set(i) for i in inputs], set(output), dict(sizes), memory_limit)
     except RuntimeError:  # "No contraction found for given memory_limit"
         return None
-    path = [tuple(step) for step in path]
+    path = tuple(tuple(step) for step in path)
     if len(inputs) > 1 and any(len(step) > 2 for step in path):
         return None
     return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import networkx as nx
@@ -12,31 +13,33 @@ from hlopass.report import source_line
 
 
 class DataflowGraph:
-    """Def-use graph over the equations of one jaxpr level.
+    """Def-use view of the equations of one jaxpr level.
 
-    Nodes are equation indices; an edge ``i -> j`` carries the variables that
-    equation ``j`` reads from equation ``i``. Node attributes: ``eqn``,
-    ``primitive``, ``out_bytes`` (largest output), ``source``.
+    ``producer`` and ``consumers`` map variables to equation indices; ``graph``
+    is the networkx graph over equation indices (an edge ``i -> j`` when
+    equation ``j`` reads a result of ``i``), built on first use: most analyses
+    need only the two maps.
     """
 
     def __init__(self, closed: core.ClosedJaxpr | core.Jaxpr):
         self.jaxpr = getattr(closed, "jaxpr", closed)
-        self.graph = nx.DiGraph()
         self.producer: dict[core.Var, int] = {}
         self.consumers: dict[core.Var, list[int]] = {}
         for i, eqn in enumerate(self.jaxpr.eqns):
-            self.graph.add_node(i, eqn=eqn, primitive=eqn.primitive.name,
-                                out_bytes=max((aval_nbytes(v.aval) for v in eqn.outvars), default=0))
-            for var in eqn.outvars:
-                self.producer[var] = i
             for atom in eqn.invars:
                 if isinstance(atom, core.Var):
                     self.consumers.setdefault(atom, []).append(i)
-                    src = self.producer.get(atom)
-                    if src is not None:
-                        self.graph.add_edge(src, i)
-                        self.graph.edges[src, i].setdefault("vars", []).append(atom)
+            for var in eqn.outvars:
+                self.producer[var] = i
         self.outvars = {v for v in self.jaxpr.outvars if isinstance(v, core.Var)}
+
+    @functools.cached_property
+    def graph(self) -> nx.DiGraph:
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(len(self.jaxpr.eqns)))
+        graph.add_edges_from((self.producer[var], j) for var, readers in self.consumers.items()
+                             if var in self.producer for j in readers)
+        return graph
 
     def eqn(self, i: int) -> core.JaxprEqn:
         return self.jaxpr.eqns[i]
@@ -53,7 +56,8 @@ class DataflowGraph:
 
     def large_equations(self, threshold: int) -> list[int]:
         """Equations with an output larger than ``threshold`` bytes."""
-        return [i for i, data in self.graph.nodes(data=True) if data["out_bytes"] > threshold]
+        return [i for i, eqn in enumerate(self.jaxpr.eqns)
+                if max((aval_nbytes(v.aval) for v in eqn.outvars), default=0) > threshold]
 
     def ancestors(self, i: int) -> set[int]:
         return nx.ancestors(self.graph, i)

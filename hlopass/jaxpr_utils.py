@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any, Callable, Iterator, Sequence
 
@@ -158,31 +159,23 @@ def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
 
 def largest_values(closed, limit: int = 5) -> list[tuple[str, int, str]]:
     """The ``limit`` largest values defined in ``closed`` (recursively), as (type, bytes, source line)."""
-    from hlopass.report import source_line
-    found = []
-    for eqn in iter_eqns(closed):
-        for var in eqn.outvars:
-            nbytes = aval_nbytes(var.aval)
-            if nbytes:
-                found.append((aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}"))
-    found.sort(key=lambda row: -row[1])
-    return found[:limit]
+    sized = ((aval_nbytes(var.aval), var, eqn) for eqn in iter_eqns(closed) for var in eqn.outvars)
+    return _described(heapq.nlargest(limit, (row for row in sized if row[0]), key=lambda row: row[0]))
 
 
 def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int, str]]:
     """Values defined inside ``closed`` (recursively; its inputs and outputs aside) larger than
     ``threshold`` bytes, largest first, as (type, bytes, primitive at source line)."""
-    from hlopass.report import source_line
     top = getattr(closed, "jaxpr", closed)
     outputs = {v for v in top.outvars if isinstance(v, core.Var)}
-    found = []
-    for eqn in iter_eqns(closed):
-        for var in eqn.outvars:
-            nbytes = aval_nbytes(var.aval)
-            if nbytes > threshold and var not in outputs:
-                found.append((aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}"))
-    found.sort(key=lambda row: -row[1])
-    return found[:limit]
+    sized = ((aval_nbytes(var.aval), var, eqn) for eqn in iter_eqns(closed) for var in eqn.outvars)
+    above = (row for row in sized if row[0] > threshold and row[1] not in outputs)
+    return _described(heapq.nlargest(limit, above, key=lambda row: row[0]))
+
+
+def _described(rows) -> list[tuple[str, int, str]]:
+    from hlopass.report import source_line
+    return [(aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}") for nbytes, var, eqn in rows]
 
 
 def bytes_upper_bound(closed) -> int:

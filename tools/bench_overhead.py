@@ -1,4 +1,5 @@
-"""What hlopass costs on top of jax.jit: trace, passes, first call, and the cost of a repeated call.
+"""What hlopass costs on top of jax.jit: trace, passes against XLA's compile, first call, and the cost
+of a repeated call; on a 1,000-equation forward program and a gradient of about the same size.
 
     python tools/bench_overhead.py [--equations 1000] [--tiny] [--json PATH]
 """
@@ -28,6 +29,15 @@ def long_program(equations: int):
     return f
 
 
+def mlp_gradient(equations: int):
+    """The gradient of a residual tanh MLP, about ``equations`` equations (11 per layer)."""
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w) + x
+        return jnp.mean(x ** 2)
+    return jax.grad(loss)
+
+
 def best_of(fn, repeat: int = 3) -> float:
     times = []
     for _ in range(repeat):
@@ -37,6 +47,21 @@ def best_of(fn, repeat: int = 3) -> float:
     return min(times)
 
 
+def measure(make, n_eqns: int, args, config) -> dict:
+    """Trace, passes and XLA compile times (best of 3; fresh functions each time, as jax caches
+    traces per function object) and each tool's first call."""
+    closed = jax.make_jaxpr(make(n_eqns))(*args)
+    trace_s = best_of(lambda: jax.make_jaxpr(make(n_eqns))(*args))
+    pass_s = max(best_of(lambda: run_pipeline(jax.make_jaxpr(make(n_eqns))(*args), config)) - trace_s, 0.0)
+    lower_s = best_of(lambda: jax.jit(make(n_eqns)).lower(*args))
+    compile_s = max(best_of(lambda: jax.jit(make(n_eqns)).lower(*args).compile()) - lower_s, 1e-9)
+    first_jax = best_of(lambda: jax.block_until_ready(jax.jit(make(n_eqns))(*args)), 1)
+    first_hlo = best_of(lambda: jax.block_until_ready(hlopass.jit(make(n_eqns))(*args)), 1)
+    return {"equations": count_equations(closed), "trace_s": trace_s, "passes_s": pass_s,
+            "xla_compile_s": compile_s, "passes_over_xla_compile": pass_s / compile_s,
+            "first_call_jax_jit_s": first_jax, "first_call_hlopass_s": first_hlo}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--equations", type=int, default=1000)
@@ -44,16 +69,25 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the figures here")
     options = parser.parse_args(argv)
     n_eqns = 40 if options.tiny else options.equations
-    f = long_program(n_eqns)
-    x, w = jnp.ones((8, 16)), jnp.eye(16) * 0.1
-
-    closed = jax.make_jaxpr(f)(x, w)
-    # Fresh functions each time: jax caches traces per function object.
-    trace_s = best_of(lambda: jax.make_jaxpr(long_program(n_eqns))(x, w))
     config = hlopass.resolve_config()
-    pass_s = best_of(lambda: run_pipeline(jax.make_jaxpr(long_program(n_eqns))(x, w), config)) - trace_s
-    first_jax = best_of(lambda: jax.jit(long_program(n_eqns))(x, w).block_until_ready(), 1)
-    first_hlo = best_of(lambda: hlopass.jit(long_program(n_eqns))(x, w).block_until_ready(), 1)
+    layers = max(n_eqns // 11, 1)
+    programs = {
+        "forward": (long_program, (jnp.ones((8, 16)), jnp.eye(16) * 0.1)),
+        "gradient": (mlp_gradient, ([jnp.eye(32) * 0.1] * layers, jnp.ones((16, 32)))),
+    }
+    figures = {"default_passes": list(config.pass_names), "programs": {}}
+    print(f"passes: {', '.join(config.pass_names) or 'none'}")
+    for name, (make, args) in programs.items():
+        row = measure(make, n_eqns, args, config)
+        figures["programs"][name] = row
+        print(f"{name} program, {row['equations']} equations")
+        print(f"  trace to jaxpr          {row['trace_s'] * 1e3:8.1f} ms")
+        print(f"  all passes              {row['passes_s'] * 1e3:8.1f} ms")
+        print(f"  XLA compile (jax.jit)   {row['xla_compile_s'] * 1e3:8.1f} ms   "
+              f"passes / compile {row['passes_over_xla_compile']:.0%}")
+        print(f"  first call, jax.jit     {row['first_call_jax_jit_s'] * 1e3:8.1f} ms")
+        print(f"  first call, hlopass.jit {row['first_call_hlopass_s'] * 1e3:8.1f} ms   "
+              f"ratio {row['first_call_hlopass_s'] / row['first_call_jax_jit_s']:.2f}")
 
     small = lambda a: a * 2 + 1  # noqa: E731
     a = jnp.ones(16)
@@ -63,21 +97,8 @@ def main(argv=None) -> dict:
     recall_jax = statistics.median(timeit.repeat(lambda: plain(a), number=number, repeat=5)) / number
     recall_hlo = statistics.median(timeit.repeat(lambda: ours(a), number=number, repeat=5)) / number
 
-    figures = {
-        "equations": count_equations(closed),
-        "default_passes": list(config.pass_names),
-        "trace_s": trace_s,
-        "passes_s": max(pass_s, 0.0),
-        "first_call_jax_jit_s": first_jax,
-        "first_call_hlopass_s": first_hlo,
-        "recall_jax_jit_us": recall_jax * 1e6,
-        "recall_hlopass_us": recall_hlo * 1e6,
-    }
-    print(f"program with {figures['equations']} equations; passes: {', '.join(config.pass_names) or 'none'}")
-    print(f"  trace to jaxpr          {trace_s * 1e3:8.1f} ms")
-    print(f"  all passes              {figures['passes_s'] * 1e3:8.1f} ms")
-    print(f"  first call, jax.jit     {first_jax * 1e3:8.1f} ms")
-    print(f"  first call, hlopass.jit {first_hlo * 1e3:8.1f} ms   ratio {first_hlo / first_jax:.2f}")
+    figures["recall_jax_jit_us"] = recall_jax * 1e6
+    figures["recall_hlopass_us"] = recall_hlo * 1e6
     print(f"  repeated call, jax.jit     {figures['recall_jax_jit_us']:6.1f} us")
     print(f"  repeated call, hlopass.jit {figures['recall_hlopass_us']:6.1f} us   ratio {recall_hlo / recall_jax:.2f}")
     if options.json:

@@ -34,7 +34,6 @@ import itertools
 import math
 from typing import Any, Sequence
 
-import networkx as nx
 import numpy as np
 import opt_einsum
 from jax._src import core
@@ -140,28 +139,33 @@ def promote(a, b) -> np.dtype:
 def is_link(eqn: core.JaxprEqn) -> bool:
     """Whether ``eqn`` may sit inside a chain: a floating (or complex) contraction, transpose,
     sum, or a conversion that loses nothing."""
-    import jax.numpy as jnp
-
     name = eqn.primitive.name
     if name not in LINK_PRIMITIVES or len(eqn.outvars) != 1:
         return False
     out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)
-    if out_dtype is None or not jnp.issubdtype(out_dtype, jnp.inexact):
+    if out_dtype is None or not _inexact(out_dtype):
         return False
     if eqn.params.get("out_sharding") is not None or eqn.params.get("sharding") is not None:
         return False
     if name == "convert_element_type":
         in_dtype = eqn.invars[0].aval.dtype
-        return jnp.issubdtype(in_dtype, jnp.inexact) and promote(in_dtype, out_dtype) == out_dtype
+        return _inexact(in_dtype) and promote(in_dtype, out_dtype) == out_dtype
     if name == "dot_general":
-        return all(jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars)
+        return all(_inexact(a.aval.dtype) for a in eqn.invars)
     if name in UNIT_AXIS_PRIMITIVES:
         return _unit_axis_map(eqn) is not None
     if name == "mul":
         shapes = [getattr(a.aval, "shape", None) for a in eqn.invars]
-        return (all(jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars)
+        return (all(_inexact(a.aval.dtype) for a in eqn.invars)
                 and () in shapes and eqn.outvars[0].aval.shape in shapes)
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _inexact(dtype) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _unit_axis_map(eqn) -> list[int | None] | None:
@@ -589,12 +593,22 @@ def _has_hyperedges(inputs: list[set], output: set) -> bool:
 
 def _connected(inputs: list[set], output: set) -> bool:
     """Whether the operands form one piece through labels that get summed."""
-    graph = nx.Graph()
-    graph.add_nodes_from(range(len(inputs)))
-    for label in set().union(*inputs) - output:
-        holders = [k for k, labels in enumerate(inputs) if label in labels]
-        graph.add_edges_from(zip(holders, holders[1:]))
-    return nx.is_connected(graph)
+    piece = list(range(len(inputs)))  # union-find: every pass calls this once per chain
+
+    def root(k: int) -> int:
+        while piece[k] != k:
+            piece[k] = piece[piece[k]]
+            k = piece[k]
+        return k
+
+    first_holder: dict = {}
+    for k, labels in enumerate(inputs):
+        for label in labels - output:
+            if label in first_holder:
+                piece[root(k)] = root(first_holder[label])
+            else:
+                first_holder[label] = k
+    return len({root(k) for k in range(len(inputs))}) <= 1
 
 
 def _tie_scalars(inputs: list[set], output: set, sizes: dict) -> list[set]:

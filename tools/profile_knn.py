@@ -1,0 +1,174 @@
+"""Profile (issue 14): where a split kNN step spends its time, and what a grouped selection would gain.
+
+For kNN L1 (or L2, ``--kind``) at d = 3 (``fixtures/knn.py``), this times, side by side in one process (median process CPU time
+and wall time of interleaved calls), the parts of the loop hlopass emits and the alternatives tried:
+
+* ``distances only``: the step's distances (the short reduction unrolled, as the split pass emits it)
+  reduced to one number per query, so nothing is selected;
+* ``top_k only``: ``lax.top_k`` of an already computed chunk of distances, once per step;
+* ``hlopass``: the whole program as ``hlopass.jit`` emits it (distances and ``top_k`` per step, merge);
+* ``grouped, fused``: a hand-written exact two-level selection over the same steps: the points of a
+  step taken in groups of ``G``, the best distance of each group computed in the same fusion as the
+  distances (nothing of the step's size is stored), ``top_k`` of the group bests, then the distances
+  of the ``k`` chosen groups' points recomputed and selected. It returns the same neighbours as
+  ``lax.top_k`` (checked), ties to the lower index;
+* ``keops``: ``pykeops`` ``argKmin`` (when installed).
+
+    python tools/profile_knn.py [--kind l1|l2] [--queries 2000] [--points 100000] [--d 3] [--group 16] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+import hlopass  # noqa: E402
+from fixtures.knn import knn_l1, knn_l2  # noqa: E402
+
+K = 10
+
+
+def unrolled_dist(q, p, kind: str = "l1"):
+    """``sum(|q[:, None] - p[None]|, -1)`` (or its square for L2) with the short last axis unrolled,
+    as the split pass emits it."""
+    total = None
+    for j in range(q.shape[-1]):
+        diff = q[:, j, None] - p[None, :, j]
+        term = jnp.abs(diff) if kind == "l1" else diff * diff
+        total = term if total is None else total + term
+    return total
+
+
+def steps(points: np.ndarray, chunk: int):
+    return points.reshape(-1, chunk, points.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def distances_only(q, p, chunk, kind):
+    def body(carry, p_chunk):
+        return carry + jnp.min(unrolled_dist(q, p_chunk, kind), axis=1), None
+    return lax.scan(body, jnp.zeros(q.shape[0], q.dtype), steps(p, chunk))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def top_k_only(d_chunk, k, n_steps):
+    def body(carry, i):
+        values, _ = lax.top_k(-(d_chunk + i.astype(d_chunk.dtype)), k)
+        return carry + values[:, 0], None
+    return lax.scan(body, jnp.zeros(d_chunk.shape[0], d_chunk.dtype), jnp.arange(n_steps))[0]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def grouped_knn(q, p, k, chunk, group, kind):
+    """Exact kNN: per step, best distance of each group of ``group`` points fused with the distances,
+    ``top_k`` of the group bests, the chosen groups' points recomputed and selected; merged across steps."""
+    n_q, d = q.shape
+    n_groups = chunk // group
+
+    def body(carry, start):
+        best_d, best_i = carry
+        p_chunk = lax.dynamic_slice_in_dim(p, start, chunk)
+        grouped = p_chunk.reshape(n_groups, group, d)
+        group_best = jnp.min(unrolled_dist(q, p_chunk, kind).reshape(n_q, n_groups, group), -1)
+        _, chosen = lax.top_k(-group_best, k)
+        chosen = jnp.sort(chosen, axis=-1)  # candidates in index order: ties go to the lower index
+        cand = grouped[chosen].reshape(n_q, k * group, d)
+        diff = q[:, None, :] - cand
+        cand_d = jnp.sum(jnp.abs(diff) if kind == "l1" else diff * diff, -1)
+        vals, where = lax.top_k(-cand_d, k)
+        idx = start + jnp.take_along_axis(chosen, where // group, -1) * group + where % group
+        merged_d = jnp.concatenate([best_d, vals], -1)
+        merged_i = jnp.concatenate([best_i, idx.astype(jnp.int32)], -1)
+        top, at = lax.top_k(merged_d, k)
+        return (top, jnp.take_along_axis(merged_i, at, -1)), None
+
+    init = (jnp.full((n_q, k), -jnp.inf, q.dtype), jnp.zeros((n_q, k), jnp.int32))
+    (neg_d, idx), _ = lax.scan(body, init, jnp.arange(0, p.shape[0], chunk))
+    return -neg_d, idx
+
+
+def keops_knn(kind: str):
+    try:
+        from pykeops.numpy import LazyTensor
+    except Exception:  # noqa: BLE001 - optional, needs a compiler
+        return None
+
+    def run(q, p, k):
+        diff = LazyTensor(q[:, None, :]) - LazyTensor(p[None, :, :])
+        dist = diff.abs().sum(-1) if kind == "l1" else (diff ** 2).sum(-1)
+        return dist.argKmin(k, dim=1)
+    return run
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kind", choices=("l1", "l2"), default="l1")
+    parser.add_argument("--queries", type=int, default=2000)
+    parser.add_argument("--points", type=int, default=100_000)
+    parser.add_argument("--d", type=int, default=3)
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    options = parser.parse_args(argv)
+    rng = np.random.default_rng(1)
+    q = rng.uniform(0, 1, (options.queries, options.d)).astype(np.float32)
+    p = rng.uniform(0, 1, (options.points, options.d)).astype(np.float32)
+    kind, knn = options.kind, (knn_l1 if options.kind == "l1" else knn_l2)
+    hlo = hlopass.jit(knn, static_argnums=2, threshold="100MB")
+    report = hlo.trace(q, p, K).report
+    split = [r for r in report.rewrites if r.pass_name == "split" and r.kind == "split"]
+    detail = split[0].details if split else {}
+    chunk = int(detail.get("chunk", 0)) or 4000
+    if options.points % chunk or chunk % options.group:  # the grouped form needs whole groups per step
+        chunk = next(c for c in range(chunk, 0, -1) if options.points % c == 0 and c % options.group == 0)
+    n_steps = options.points // chunk
+    print(f"kNN {kind.upper()} {options.queries} x {options.points}, d = {options.d}, k = {K}: hlopass splits the points "
+          f"into chunks of {chunk} ({n_steps} steps); the parts below use the same chunks")
+    qd, pd = jax.device_put(q), jax.device_put(p)
+    d_chunk = jax.device_put(-np.asarray(unrolled_dist(q, p[:chunk], kind)))
+    fns = {
+        "distances only": lambda: distances_only(qd, pd, chunk, kind),
+        "top_k only": lambda: top_k_only(d_chunk, K, n_steps),
+        "hlopass": lambda: hlo(qd, pd, K),
+        f"grouped, fused (G = {options.group})": lambda: grouped_knn(qd, pd, K, chunk, options.group, kind),
+        "plain jax.jit": lambda: jax.jit(knn, static_argnums=2)(qd, pd, K),
+    }
+    keops = keops_knn(kind)
+    if keops is not None:
+        fns["keops argKmin"] = lambda: keops(q, p, K)
+    want = np.sort(np.asarray(jax.jit(knn, static_argnums=2)(qd, pd, K)[1]), 1)
+    got = np.sort(np.asarray(fns[f"grouped, fused (G = {options.group})"]()[1]), 1)
+    print(f"grouped selection: same neighbours as jax.jit for {np.mean(got == want):.4%} of the entries")
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(options.repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    base = statistics.median(c for _, c in times["hlopass"])
+    for name, runs in times.items():
+        wall = statistics.median(w for w, _ in runs)
+        cpu = statistics.median(c for _, c in runs)
+        print(f"  {name:28s} {wall:7.3f} s wall {cpu:7.3f} s CPU   CPU / hlopass {cpu / base:5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
