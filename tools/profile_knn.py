@@ -3,15 +3,16 @@
 For kNN L1 (or L2, ``--kind``) at d = 3 (``fixtures/knn.py``), this times, side by side in one process (median process CPU time
 and wall time of interleaved calls), the parts of the loop hlopass emits and the alternatives tried:
 
-* ``distances only``: the step's distances (the short reduction unrolled, as the split pass emits it)
-  reduced to one number per query, so nothing is selected;
+* ``distances only``: each step's distances (the short reduction unrolled, as the split pass emits
+  it) reduced to one number per query, so nothing is selected;
 * ``top_k only``: ``lax.top_k`` of an already computed chunk of distances, once per step;
 * ``hlopass``: the whole program as ``hlopass.jit`` emits it (distances and ``top_k`` per step, merge);
-* ``grouped, fused``: a hand-written exact two-level selection over the same steps: the points of a
-  step taken in groups of ``G``, the best distance of each group computed in the same fusion as the
-  distances (nothing of the step's size is stored), ``top_k`` of the group bests, then the distances
-  of the ``k`` chosen groups' points recomputed and selected. It returns the same neighbours as
-  ``lax.top_k`` (checked), ties to the lower index;
+* ``grouped, fused``: a hand-written exact two-level selection over the same steps: the points taken
+  in groups of ``G``, the best distance of each group computed in the same fusion as the distances
+  (the step's distances are never stored), ``top_k`` of the group bests, then the distances of the
+  ``k`` chosen groups' points recomputed and selected. The true ``k`` nearest all lie in the ``k``
+  groups with the best minima, so it returns the same neighbours as ``lax.top_k`` (checked), ties
+  to the lower index;
 * ``keops``: ``pykeops`` ``argKmin`` (when installed).
 
     python tools/profile_knn.py [--kind l1|l2] [--queries 2000] [--points 100000] [--d 3] [--group 16] [--repeats 5]
@@ -51,52 +52,44 @@ def unrolled_dist(q, p, kind: str = "l1"):
     return total
 
 
-def steps(points: np.ndarray, chunk: int):
-    return points.reshape(-1, chunk, points.shape[-1])
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def distances_only(q, p, chunk, kind):
-    def body(carry, p_chunk):
-        return carry + jnp.min(unrolled_dist(q, p_chunk, kind), axis=1), None
-    return lax.scan(body, jnp.zeros(q.shape[0], q.dtype), steps(p, chunk))[0]
+    """The steps' distances (``chunk`` queries against all points), each reduced to its minimum."""
+    def body(carry, q_chunk):
+        return carry, jnp.min(unrolled_dist(q_chunk, p, kind), axis=1)
+    return lax.scan(body, 0.0, q.reshape(-1, chunk, q.shape[-1]))[1]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def top_k_only(d_chunk, k, n_steps):
+    """``top_k`` of one step's distances, ``n_steps`` times (perturbed so no step is hoisted)."""
     def body(carry, i):
-        values, _ = lax.top_k(-(d_chunk + i.astype(d_chunk.dtype)), k)
+        values, _ = lax.top_k(d_chunk + i.astype(d_chunk.dtype), k)
         return carry + values[:, 0], None
     return lax.scan(body, jnp.zeros(d_chunk.shape[0], d_chunk.dtype), jnp.arange(n_steps))[0]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def grouped_knn(q, p, k, chunk, group, kind):
-    """Exact kNN: per step, best distance of each group of ``group`` points fused with the distances,
-    ``top_k`` of the group bests, the chosen groups' points recomputed and selected; merged across steps."""
-    n_q, d = q.shape
-    n_groups = chunk // group
+    """Exact kNN over the same steps (``chunk`` queries each): the best distance of each group of
+    ``group`` points reduced in the distances' fusion, ``top_k`` of the group bests, then the chosen
+    groups' points gathered, their distances recomputed and selected."""
+    n, d = p.shape
+    n_groups = n // group
+    grouped = p.reshape(n_groups, group, d)
 
-    def body(carry, start):
-        best_d, best_i = carry
-        p_chunk = lax.dynamic_slice_in_dim(p, start, chunk)
-        grouped = p_chunk.reshape(n_groups, group, d)
-        group_best = jnp.min(unrolled_dist(q, p_chunk, kind).reshape(n_q, n_groups, group), -1)
+    def step(q_chunk):
+        rows = q_chunk.shape[0]
+        group_best = jnp.min(unrolled_dist(q_chunk, p, kind).reshape(rows, n_groups, group), -1)
         _, chosen = lax.top_k(-group_best, k)
         chosen = jnp.sort(chosen, axis=-1)  # candidates in index order: ties go to the lower index
-        cand = grouped[chosen].reshape(n_q, k * group, d)
-        diff = q[:, None, :] - cand
-        cand_d = jnp.sum(jnp.abs(diff) if kind == "l1" else diff * diff, -1)
-        vals, where = lax.top_k(-cand_d, k)
-        idx = start + jnp.take_along_axis(chosen, where // group, -1) * group + where % group
-        merged_d = jnp.concatenate([best_d, vals], -1)
-        merged_i = jnp.concatenate([best_i, idx.astype(jnp.int32)], -1)
-        top, at = lax.top_k(merged_d, k)
-        return (top, jnp.take_along_axis(merged_i, at, -1)), None
+        diff = q_chunk[:, None, :] - grouped[chosen].reshape(rows, k * group, d)
+        cand = jnp.sum(jnp.abs(diff) if kind == "l1" else diff * diff, -1)
+        values, where = lax.top_k(-cand, k)
+        return -values, jnp.take_along_axis(chosen, where // group, -1) * group + where % group
 
-    init = (jnp.full((n_q, k), -jnp.inf, q.dtype), jnp.zeros((n_q, k), jnp.int32))
-    (neg_d, idx), _ = lax.scan(body, init, jnp.arange(0, p.shape[0], chunk))
-    return -neg_d, idx
+    dist, idx = lax.map(step, q.reshape(-1, chunk, d))
+    return dist.reshape(-1, k), idx.reshape(-1, k)
 
 
 def keops_knn(kind: str):
@@ -134,15 +127,16 @@ def main(argv=None) -> int:
     hlo = hlopass.jit(knn, static_argnums=2, threshold="100MB")
     report = hlo.trace(q, p, K).report
     split = [r for r in report.rewrites if r.pass_name == "split" and r.kind == "split"]
-    detail = split[0].details if split else {}
-    chunk = int(detail.get("chunk", 0)) or 4000
-    if options.points % chunk or chunk % options.group:  # the grouped form needs whole groups per step
-        chunk = next(c for c in range(chunk, 0, -1) if options.points % c == 0 and c % options.group == 0)
-    n_steps = options.points // chunk
-    print(f"kNN {kind.upper()} {options.queries} x {options.points}, d = {options.d}, k = {K}: hlopass splits the points "
-          f"into chunks of {chunk} ({n_steps} steps); the parts below use the same chunks")
+    chunk = int(split[0].details["chunk"]) if split else options.queries
+    if options.queries % chunk:  # whole steps only, to keep the script simple
+        chunk = next(c for c in range(chunk, 0, -1) if options.queries % c == 0)
+    n_steps = options.queries // chunk
+    if options.points % options.group:
+        parser.error("--points must be a multiple of --group")
+    print(f"kNN {kind.upper()} {options.queries} x {options.points}, d = {options.d}, k = {K}: hlopass splits the "
+          f"queries into {n_steps} steps of {chunk} (each against all points); the parts below use the same steps")
     qd, pd = jax.device_put(q), jax.device_put(p)
-    d_chunk = jax.device_put(-np.asarray(unrolled_dist(q, p[:chunk], kind)))
+    d_chunk = jax.device_put(-np.asarray(unrolled_dist(q[:chunk], p, kind)))
     fns = {
         "distances only": lambda: distances_only(qd, pd, chunk, kind),
         "top_k only": lambda: top_k_only(d_chunk, K, n_steps),

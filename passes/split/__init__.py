@@ -22,8 +22,9 @@ recomputing the region on ``dynamic_slice`` s of its inputs and writing
 (``dynamic_update_slice``) or combining (sum, product, max, min, and, or,
 xor, first-index argmax/argmin, running top-k, a scatter's running result)
 its results. The chunk keeps the largest value of one iteration within
-``config.split_size``; when no single axis can, one iteration is split again
-along a second axis (nested loops).
+``config.split_size``, and on CPU within ``step_cache_bytes`` (16 MiB) when the
+region is split anyway, which runs faster from the cache; when no single axis
+can, one iteration is split again along a second axis (nested loops).
 
 Sharded programs: an axis cut across devices (by an explicit sharding in the
 value's type, or by the sharding of a ``jax.jit`` argument) is never split,
@@ -54,6 +55,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import jax
 
 from jax._src import core
 
@@ -92,6 +95,10 @@ class SplitOptions:
     unroll_max_length: int = 16
     #: ...when their result has at least this many elements.
     unroll_min_elements: int = 1024
+    #: On CPU, a step's live set is kept within this many bytes (half this machine's 32 MiB L3 cache)
+    #: when the region is split anyway, even if the split size allows more: measured 1.2-1.7x faster
+    #: on kNN L2 and the kernel mat-vec (README, chunk shapes). 0: the largest chunk that fits.
+    step_cache_bytes: int = 16 * 2**20
 
 
 class SplitPass(Pass):
@@ -512,10 +519,18 @@ def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: Split
     if fits >= region.size:
         return None
     nested = fits < need
+    cache = _cache_bytes(options)
+    if cache and not nested and cache < config.split_size:  # smaller steps run faster from the cache
+        fits = max(int(min(cache // per_unit, options.live_budget * cache // peak)), need, 1)
     chunk = need if nested else choose_chunk(region.size, fits, options.even_chunk_fraction)
     if chunk >= region.size:
         return None
     return _Candidate(region, chunk, nested, covered, survives=not region.reducing, step_bytes=chunk * per_unit)
+
+
+def _cache_bytes(options: SplitOptions) -> int:
+    """The step size cap for the cache: measured on CPU only, so accelerators keep the largest chunk."""
+    return options.step_cache_bytes if jax.default_backend() == "cpu" else 0
 
 
 def choose_chunk(size: int, fits: int, even_fraction: float = SplitOptions.even_chunk_fraction) -> int:

@@ -359,3 +359,23 @@ def test_memory_limit_out_of_reach_is_reported():
     assert len([r for r in report.rewrites if r.kind == "retry"]) == 4
     assert any("still over the limit" in s.reason for s in report.skipped), report
     np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_steps_are_capped_for_the_cache_when_splitting_anyway():
+    """On CPU a region that is split anyway gets steps whose live set stays within ``step_cache_bytes``
+    (16 MiB) even when the split size allows more (faster: README, chunk shapes); ``step_cache_bytes=0``
+    keeps the largest chunk; both give jax.jit's numbers."""
+    from hlopass.passes.split import SplitPass
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4001, 3)).astype(np.float32)
+    v = rng.normal(size=(4001,)).astype(np.float32)
+    want = jax.jit(kernel_matvec)(x, x, v)
+    chunks = {}
+    for cache in (None, 0):
+        split = SplitPass() if cache is None else SplitPass(step_cache_bytes=cache)
+        fn = hlopass.jit(kernel_matvec, threshold="40MB", passes=["algebraic", split])
+        [entry] = [r for r in fn.trace(x, x, v).report.rewrites if r.kind == "split"]
+        chunks[cache] = entry.details["chunk_bytes"]
+        np.testing.assert_allclose(fn(x, x, v), want, rtol=2e-5, atol=2e-4)
+    assert chunks[None] <= 16 * 2**20 < chunks[0] <= 40e6
