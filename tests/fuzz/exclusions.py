@@ -33,9 +33,11 @@ EXCLUSIONS: list[Exclusion] = [
     Exclusion("test_split_max_and_min_propagate_nan",
               lambda p, mode: bool(p.specials) and any(p.has(r) for r in NAN_SEEING_REDUCERS),
               deviation="README, The split pass, NaN"),
-    # algebraic: tanh of the expanded distance on grid points breaks argmax ties differently
-    Exclusion("test_expanded_distance_tanh_argmax_ties",
-              lambda p, mode: p.grid and p.has("expand:sqdist") and p.has("reduce:argmax")),
+    # split: XLA:CPU's tanh is not correctly rounded and its last bit depends on the fusion it lands in, so
+    # an argmax over saturated values on grid points can pick another near-tied index (as a hand loop does)
+    Exclusion("test_split_tanh_argmax_follows_xla_tanh",
+              lambda p, mode: p.grid and p.has("expand:sqdist") and p.has("reduce:argmax"),
+              deviation="README, The split pass, Transcendental rounding"),
 ]
 
 
