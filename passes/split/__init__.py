@@ -53,6 +53,7 @@ rest is still split.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 
@@ -549,6 +550,12 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in small]
 
 
+#: Loops nested inside one split step at most (a second axis, and a third for a 3-D step). Deeper
+#: levels made no progress when each step re-sliced a large loop input (fuzzer seed r884065875121).
+MAX_NESTING = 2
+_NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("hlopass_split_nesting", default=0)
+
+
 def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassReport,
           options: SplitOptions) -> LoopPlan:
     region = candidate.region
@@ -557,8 +564,13 @@ def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassRepor
     inner = dataclasses.replace(config, threshold=config.split_size)
 
     def refine(step: core.ClosedJaxpr) -> core.ClosedJaxpr:
-        if candidate.nested:
-            step = split_level(step, inner, report, options)
+        depth = _NESTING.get()
+        if candidate.nested and depth < MAX_NESTING:
+            token = _NESTING.set(depth + 1)
+            try:
+                step = split_level(step, inner, report, options)
+            finally:
+                _NESTING.reset(token)
         if options.unroll_max_length:
             step = unroll_short_reductions(step, report, options.unroll_max_length, options.unroll_min_elements)
         return step

@@ -268,3 +268,22 @@ def test_threshold_zero_error_names_the_setting_and_value():
     with pytest.raises(hlopass.ConfigError) as err:
         hlopass.jit(lambda x: x, threshold=0)
     assert "object object" not in str(err.value)
+
+
+def test_nested_split_of_a_sliced_loop_input_terminates():
+    """Fuzzer seed r884065875121, program 4: at a 2 kB split size no single axis of the f32[79,76,7]
+    differences fits, so each step was split again inside, and each nested step again, cycling through
+    the axes (each level re-slicing the whole loop input) until Python's recursion limit. Nesting now
+    stops at ``MAX_NESTING`` levels; the numbers equal jax.jit's."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(79, 7)).astype(np.float32)
+    y = rng.normal(size=(76, 7)).astype(np.float32)
+    w = rng.normal(size=(79,)).astype(np.float32)
+
+    def fn(x, y, w):
+        out = jnp.tensordot(w, jnp.sum(jnp.abs(x[:, None] - y[None]), -1), axes=(0, 0))
+        return lax.top_k(out, 2)[0]
+
+    ours = hlopass.jit(fn, threshold="16000", split_size="2000", passes="matrix_chain,split")
+    assert any(r.details.get("nested") for r in ours.trace(x, y, w).report.rewrites if r.kind == "split")
+    np.testing.assert_allclose(ours(x, y, w), jax.jit(fn)(x, y, w), rtol=1e-5, atol=1e-5)
