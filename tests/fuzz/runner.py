@@ -347,6 +347,12 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
             problem = _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, problem)
             if problem is None:
                 result["as_accurate"] = result.get("as_accurate", 0) + 1
+        if problem and ("NaN" in problem or "infinit" in problem) and not program.specials \
+                and program.dtype in ("float16", "bfloat16"):
+            problem = _judged_overflow(batch, i, got, want, grads_got, grads_want, mine, problem)
+            if problem is None:
+                result["overflow"] = result.get("overflow", 0) + 1
+                continue
         if problem and program.specials and unguarded and ("NaN" in problem or "infinit" in problem):
             # the README's documented deviation: a rewrite without the finite guard (its report says
             # "Inf/NaN not guarded") may give NaN where plain gives ±Inf
@@ -370,6 +376,63 @@ def _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, probl
     if verdict is None and grads_got is not None:
         verdict = as_accurate([grads_got[j] for j in mine], [grads_want[j] for j in mine], wide_grads, jit_grads,
                               f"{label} gradients")
+    return None if verdict is None else f"{problem}; {verdict}"
+
+
+def overflowed_alike(got, want, wide, where: str = "") -> str | None:
+    """``None`` when every entry where hlopass and ``jax.jit`` disagree about a 16-bit value being
+    finite is an overflow of the type, not a change of the answer: the program run in float32
+    (``wide``) is finite there, and either ``jax.jit`` overflowed (it is ±Inf/NaN) while hlopass is
+    non-finite too or within the dtype's tolerance of the float32 value, or hlopass overflowed where
+    the float32 value is within a factor 2 of the type's largest number; or when ``jax.jit`` itself
+    is farther than the tolerance from the float32 run where both are finite (ill-conditioned in its
+    type, listed as such). Else what differs."""
+    problems = []
+    leaves = zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, wide)))
+    for k, (g, w, h) in enumerate(leaves):
+        g, w = np.asarray(g), np.asarray(w)
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            continue
+        g64, w64, h64 = (np.asarray(a, np.float64) for a in (g, w, h))
+        same = (g64 == w64) | (np.isnan(g64) & np.isnan(w64)) | (np.isfinite(g64) & np.isfinite(w64))
+        differ = ~same
+        if not differ.any():
+            continue
+        if h64.shape != w64.shape or not np.isfinite(h64[differ]).all():
+            problems.append(f"{where}[{k}]: the float32 run is not finite where they differ")
+            continue
+        finite_h = h64[np.isfinite(h64)]
+        tol = TOLERANCE[w.dtype.name] * max(float(np.max(np.abs(finite_h))) if finite_h.size else 0.0, 1e-30)
+        both = np.isfinite(w64) & np.isfinite(h64)
+        if both.any() and np.abs(w64[both] - h64[both]).max() > tol:  # rounding decides in this type
+            ILL_CONDITIONED.append(f"{where}[{k}]: overflow in 16 bits, and jax.jit is "
+                                   f"{np.abs(w64[both] - h64[both]).max():.3g} from the float32 run where "
+                                   f"finite (tolerance {tol:.3g})")
+            continue
+        big = float(jnp.finfo(w.dtype).max) / 2
+        plain_over = differ & ~np.isfinite(w64)
+        ours_over = differ & ~np.isfinite(g64) & np.isfinite(w64)
+        close = ~np.isfinite(g64) | (np.abs(g64 - h64) <= tol)
+        if not close[plain_over].all():
+            problems.append(f"{where}[{k}]: jax.jit overflowed and hlopass is off the float32 run")
+        if (np.abs(h64[ours_over]) < big).any():
+            problems.append(f"{where}[{k}]: hlopass overflowed where the float32 run is well inside the range")
+    return "; ".join(problems) or None
+
+
+def _judged_overflow(batch, i, got, want, grads_got, grads_want, mine, problem) -> str | None:
+    """``None`` when program ``i``'s non-finite difference from ``jax.jit`` is 16-bit overflow
+    (:func:`overflowed_alike`: a sum or product whose order the rewrite changed overflows one way and
+    not the other); else ``problem`` and why."""
+    try:
+        wide_values, wide_grads = wider_reference(batch, i)
+    except Exception as err:  # noqa: BLE001 - no wider run, the difference stands
+        return f"{problem} (no wider run: {type(err).__name__})"
+    label = batch.programs[i].label
+    verdict = overflowed_alike(got[i], want[i], wide_values, f"{label} values")
+    if verdict is None and grads_got is not None:
+        verdict = overflowed_alike([grads_got[j] for j in mine], [grads_want[j] for j in mine], wide_grads,
+                                   f"{label} gradients")
     return None if verdict is None else f"{problem}; {verdict}"
 
 
@@ -406,7 +469,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
               exclusions: bool = True) -> dict:
     total = {"seeds": [str(s) for s in seeds], "programs": 0, "rewrites": collections.Counter(), "failures": [],
              "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter(),
-             "fast_flag_only": [], "as_accurate": 0, "unguarded": []}
+             "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "unguarded": []}
     start = time.perf_counter()
     for seed in seeds:
         batch = draw_batch(seed, size, only, exclusions)
@@ -422,6 +485,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
         total["rewrites"].update(result["rewrites"])
         total["excluded"].update(result["excluded"])
         total["as_accurate"] += result.get("as_accurate", 0)
+        total["overflow"] += result.get("overflow", 0)
         total["unguarded"] += result.get("unguarded", [])
         if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
             confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions)

@@ -36,8 +36,12 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXED_SEEDS = [str(s) for s in range(190)]
 #: Seeds that found a defect, once its fix lands (while it is open, its minimal program is an xfail test in
 #: test_regressions.py and its pieces are excluded, so the seed would draw something else).
-REGRESSION_SEEDS: list[str] = ["r884065875121"]  # nested split recursion (test_nested_split_of_a_sliced_loop_input_terminates)
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,040 programs per run.
+REGRESSION_SEEDS: list[str] = [
+    "r884065875121",  # nested split recursion (test_nested_split_of_a_sliced_loop_input_terminates)
+    "r889795358562",  # float16 overflow: jax.jit NaN, hlopass the float32 run's value (runner.overflowed_alike)
+    "r606571850171",  # float16 overflow in a gradient where jax.jit itself is off the float32 run
+]
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,056 programs per run.
 FRESH_SEEDS = 64
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
@@ -70,7 +74,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         procs.append((out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                             stderr=subprocess.STDOUT, text=True)))
     total = {"programs": 0, "failures": [], "rewrites": collections.Counter(), "excluded": collections.Counter(),
-             "modes": collections.Counter(), "fast_flag_only": [], "as_accurate": 0, "ill_conditioned": [],
+             "modes": collections.Counter(), "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "ill_conditioned": [],
              "unguarded": []}
     logs = []
     for out, proc in procs:
@@ -83,6 +87,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         total["failures"] += part["failures"]
         total["fast_flag_only"] += part["fast_flag_only"]
         total["as_accurate"] += part.get("as_accurate", 0)
+        total["overflow"] += part.get("overflow", 0)
         total["ill_conditioned"] += part.get("ill_conditioned", [])
         total["unguarded"] += part.get("unguarded", [])
         for key in ("rewrites", "excluded", "modes"):
@@ -98,6 +103,8 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         f"differences judged rounding (hlopass as close as jax.jit to the program run in a wider type): "
         f"{total['as_accurate']}, of them ill-conditioned leaves (jax.jit itself off the wider run): "
         f"{len(total['ill_conditioned'])}" + "".join(f"\n  {line}" for line in total["ill_conditioned"]),
+        f"16-bit overflow differences (jax.jit or hlopass overflows where the other, and the float32 run, "
+        f"do not; no special inputs): {total['overflow']}",
         f"non-finite differences after a rewrite the report says is not guarded (README, the finite guard): "
         f"{len(total['unguarded'])}" + "".join(f"\n  {line}" for line in total["unguarded"]),
         f"differences seen only at {runner.FAST_FLAG} (not failures): {len(total['fast_flag_only'])}"
@@ -176,3 +183,24 @@ def test_as_accurate_tells_rounding_from_a_wrong_value():
     assert runner.as_accurate(plain + np.float32(0.5), plain, wide, wide) is not None    # a wrong value
     jittered = wide + 0.5                                                                 # ill-conditioned
     assert runner.as_accurate(plain + np.float32(0.5), plain, wide, jittered) is None
+
+
+def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():
+    """A non-finite difference in a 16-bit program passes only as overflow: jax.jit overflowed and hlopass
+    matches the float32 run (or overflowed too), or hlopass overflowed next to the type's largest number,
+    or jax.jit itself is off the float32 run (ill-conditioned); never where the float32 run is not finite."""
+    import numpy as np
+    wide = np.array([1.0, 2.0, 60000.0, 3.0])
+    plain = np.array([1.0, 2.0, np.inf, 3.0], np.float16)
+    assert runner.overflowed_alike(np.array([1, 2, 60000, 3], np.float16), plain, wide) is None
+    assert runner.overflowed_alike(np.array([1, 2, np.nan, 3], np.float16), plain, wide) is None
+    assert runner.overflowed_alike(np.array([1, 2, 30000, 3], np.float16), plain, wide) is not None  # wrong
+    ours_over = np.array([1, 2, 3, np.inf], np.float16)
+    assert runner.overflowed_alike(ours_over, np.array([1, 2, 3, 3], np.float16),
+                                   np.array([1, 2, 3, 3.0])) is not None                           # 3 is small
+    assert runner.overflowed_alike(ours_over, np.array([1, 2, 3, 60000], np.float16),
+                                   np.array([1, 2, 3, 60000.0])) is None                              # at the edge
+    assert runner.overflowed_alike(np.array([1, 2, 5, 3], np.float16), plain,
+                                   np.array([1, 2, np.inf, 3])) is not None                        # true Inf
+    off = np.array([5000, 2, np.inf, 3], np.float16)                                                # plain is off
+    assert runner.overflowed_alike(np.array([1, 2, 7, 3], np.float16), off, wide) is None
