@@ -440,7 +440,8 @@ def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "
     index = program.label.split("/")[-1] if program else None
     repro = (f"python -m tests.fuzz.runner --seeds {batch.seed} --size {BATCH_SIZE}"
              + (f" --program {index}" if index else "") + " -v")
-    return {"batch": batch.header(), "program": repr(program) if program else None, "problem": problem,
+    return {"batch": batch.header(), "seed": str(batch.seed), "program": repr(program) if program else None,
+            "problem": problem,
             "pieces": list(program.pieces) if program else [], "reproduce": repro, "traceback": trace}
 
 

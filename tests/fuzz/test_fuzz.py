@@ -7,7 +7,10 @@ fired how often. A failure prints the command that reproduces it
 ``REGRESSION_SEEDS`` and its minimal program into ``test_regressions.py``.
 
 Environment: ``HLOPASS_FUZZ_SEEDS`` (run exactly these, e.g. ``3,17,f123``),
-``HLOPASS_FUZZ_FRESH`` (how many fresh seeds; default below), ``HLOPASS_FUZZ_WORKERS``.
+``HLOPASS_FUZZ_FRESH`` (how many fresh seeds; default below), ``HLOPASS_FUZZ_WORKERS``,
+``HLOPASS_FUZZ_STRICT_FRESH=1`` (a fresh seed's mismatch fails the test; by default it is listed in
+the summary as NEW and warned about, so that a rare new program does not block CI: the fixed and
+regression seeds always fail it).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -111,11 +115,27 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         + "".join(f"\n  {f['program']}: {f['problem']} ({f['reproduce']})" for f in total["fast_flag_only"]),
         f"fresh seeds this run: {','.join(fresh) or '-'}",
     ]
-    if total["failures"]:
-        lines = [f"{len(total['failures'])} programs differ from jax.jit (fresh seeds: {','.join(fresh)}):"]
-        for f in total["failures"][:25]:
+
+    def describe(failures):
+        lines = []
+        for f in failures[:25]:
             lines += [f"- {f['batch']}", f"  {f['program']}", f"  {f['problem']}", f"  reproduce: {f['reproduce']}"]
+        return lines
+
+    fresh_set = set(fresh)
+    on_fresh = [f for f in total["failures"] if f.get("seed") in fresh_set]
+    on_fixed = [f for f in total["failures"] if f.get("seed") not in fresh_set]
+    if on_fresh:
+        runner.SUMMARY_LINES.append(f"NEW: {len(on_fresh)} programs from fresh seeds differ from jax.jit "
+                                    f"(each becomes a regression seed and test once understood):")
+        runner.SUMMARY_LINES.extend(describe(on_fresh))
+    if on_fixed or (on_fresh and os.environ.get("HLOPASS_FUZZ_STRICT_FRESH", "") not in ("", "0")):
+        failures = on_fixed + on_fresh
+        lines = [f"{len(failures)} programs differ from jax.jit (fresh seeds: {','.join(fresh)}):", *describe(failures)]
         pytest.fail("\n".join(lines))
+    if on_fresh:
+        warnings.warn(f"{len(on_fresh)} fresh-seed programs differ from jax.jit (listed in the fuzzer summary; "
+                      f"HLOPASS_FUZZ_STRICT_FRESH=1 makes this a failure): {on_fresh[0]['reproduce']}")
     assert total["programs"] >= MIN_PROGRAMS or os.environ.get("HLOPASS_FUZZ_SEEDS"), total["programs"]
     assert total["rewrites"], "no rewrite fired: the programs no longer exercise the passes"
 
