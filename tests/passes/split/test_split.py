@@ -364,7 +364,7 @@ def test_memory_limit_out_of_reach_is_reported():
 def test_steps_are_capped_for_the_cache_when_splitting_anyway():
     """On CPU a region that is split anyway gets steps whose live set stays within ``step_cache_bytes``
     (16 MiB) even when the split size allows more (faster: README, chunk shapes); ``step_cache_bytes=0``
-    keeps the largest chunk; both give jax.jit's numbers."""
+    keeps the largest chunk; both give jax.jit's numbers and gradients."""
     from hlopass.passes.split import SplitPass
 
     rng = np.random.default_rng(3)
@@ -378,4 +378,8 @@ def test_steps_are_capped_for_the_cache_when_splitting_anyway():
         [entry] = [r for r in fn.trace(x, x, v).report.rewrites if r.kind == "split"]
         chunks[cache] = entry.details["chunk_bytes"]
         np.testing.assert_allclose(fn(x, x, v), want, rtol=2e-5, atol=2e-4)
+        grad = jax.grad(lambda x, v: fn(x, x, v).sum(), argnums=(0, 1))(x, v)
+        want_grad = jax.grad(lambda x, v: kernel_matvec(x, x, v).sum(), argnums=(0, 1))(x, v)
+        for got, ref in zip(grad, want_grad):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
     assert chunks[None] <= 16 * 2**20 < chunks[0] <= 40e6
