@@ -230,12 +230,24 @@ def as_accurate(got, want, wide, jittered, where: str = "") -> str | None:
     scale; or when the program is ill-conditioned in its type (rounding decides, e.g. a softmax of
     bfloat16 logits in the thousands, whose rounding step is 16): ``jax.jit`` itself, or the wide run
     on inputs moved by one rounding step (``jittered``), is farther than that tolerance from the wide
-    values. Else what differs."""
+    values. Integer leaves (counts, indices of inexact values) are judged by how many entries differ
+    from the wide run: hlopass within twice ``jax.jit``'s count, or within the count that one rounding
+    step of the inputs moves. Else what differs."""
     problems = []
     leaves = zip(*(jax.tree_util.tree_leaves(t) for t in (got, want, wide, jittered)))
     for k, (g, w, h, j) in enumerate(leaves):
         g, w = np.asarray(g), np.asarray(w)
         if not jnp.issubdtype(w.dtype, jnp.floating):
+            h, j = np.asarray(h), np.asarray(j)
+            if h.shape != w.shape or j.shape != w.shape:
+                return f"{where}[{k}]: the wider run has shape {h.shape}"
+            ours, plains, spread = (int(np.sum(a != h)) for a in (g, w, j))
+            if ours > max(2 * plains, spread):
+                problems.append(f"{where}[{k}]: {ours} integer entries differ from the wider run, "
+                                f"jax.jit's {plains}, one rounding step of the inputs moves {spread}")
+            elif spread > 2 * plains:
+                ILL_CONDITIONED.append(f"{where}[{k}]: one rounding step of the inputs moves {spread} integer "
+                                       f"entries of the wider run, jax.jit differs in {plains}, hlopass in {ours}")
             continue
         g64, w64, h64, j64 = (np.asarray(a, np.float64) for a in (g, w, h, j))
         if h64.shape != w64.shape or j64.shape != w64.shape:
@@ -342,8 +354,8 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
                                   program.dtype, gradient=True)
                 if problem:
                     break
-        if problem and "NaN" not in problem and "infinit" not in problem and "integer" not in problem \
-                and program.dtype in WIDER:
+        if problem and "NaN" not in problem and "infinit" not in problem \
+                and ("integer" not in problem or not program.exact) and program.dtype in WIDER:
             problem = _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, problem)
             if problem is None:
                 result["as_accurate"] = result.get("as_accurate", 0) + 1

@@ -205,6 +205,20 @@ def test_as_accurate_tells_rounding_from_a_wrong_value():
     assert runner.as_accurate(plain + np.float32(0.5), plain, wide, jittered) is None
 
 
+
+def test_as_accurate_judges_integer_results_of_inexact_values_by_entries_moved():
+    """A count or index of inexact values passes when no more of its entries differ from the wider run
+    than twice jax.jit's, or than one rounding step of the inputs moves (ill-conditioned); else it fails."""
+    import numpy as np
+    wide = np.array([5, 7, 2, 9, 4, 1], np.int32)
+    plain = wide.copy()
+    moved_two = wide + np.array([1, -1, 0, 0, 0, 0], np.int32)
+    assert runner.as_accurate(moved_two, plain, wide, wide) is not None          # jax.jit exact: a wrong count
+    assert runner.as_accurate(moved_two, moved_two, wide, wide) is None          # as far as jax.jit
+    jittered = wide + np.array([1, 1, 1, 0, 0, 0], np.int32)
+    assert runner.as_accurate(moved_two, plain, wide, jittered) is None          # rounding moves three entries
+    assert runner.as_accurate(wide + 1, plain, wide, jittered) is not None       # six moved: wrong
+
 def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():
     """A non-finite difference in a 16-bit program passes only as overflow: jax.jit overflowed and hlopass
     matches the float32 run (or overflowed too), or hlopass overflowed next to the type's largest number,
