@@ -2,8 +2,9 @@
 
 The naive spelling ``lax.top_k(-sum((q[:, None] - p[None]) ** 2, -1), k)`` (and ``|.|`` for L1) from
 ``fixtures/knn.py``, at 2,000 and 5,000 queries x 100,000 points, d = 3 and 16, k = 10, side by side in
-one process, calls interleaved, median wall time and median process CPU time (the CPU time counts every
-thread, and moves less than wall time on a shared machine). Columns:
+one process, calls interleaved in an order that rotates each round (a call right after plain's runs up
+to 2x slower), median wall time and median process CPU time (the CPU time counts every thread, and moves
+less than wall time on a shared machine). Columns:
 
 * ``plain``: ``jax.jit`` of the naive spelling (XLA fuses the broadcast into the reduction; it builds
   the ``queries x points`` distances);
@@ -11,6 +12,8 @@ thread, and moves less than wall time on a shared machine). Columns:
   short reductions unrolled in the step);
 * ``hlopass, no unroll``: the same pipeline with the split pass's unrolling off (``unroll_max_length=0``),
   what it gains;
+* ``hlopass, one-level top_k``: the same with XLA's ``top_k`` over each whole row instead of the
+  grouped selection (``SplitPass(grouped_top_k=False)``), what the grouping gains;
 * ``hand``: ``lax.map`` over blocks of 500 queries (the hand-written chunking);
 * ``keops``: ``pykeops`` ``argKmin`` on a ``LazyTensor`` (when installed: ``pip install -e '.[bench]'``),
   distances gathered afterwards.
@@ -63,10 +66,12 @@ def keops_knn(kind: str):
 def variants(kind: str, threshold: str, block: int):
     knn = knn_l2 if kind == "l2" else knn_l1
     no_unroll = ["hvp", "algebraic", "matrix_chain", SplitPass(unroll_max_length=0)]
+    one_level = ["hvp", "algebraic", "matrix_chain", SplitPass(grouped_top_k=False)]
     out = {
         "plain": jax.jit(knn, static_argnums=2),
         "hlopass": hlopass.jit(knn, static_argnums=2, threshold=threshold),
         "hlopass, no unroll": hlopass.jit(knn, static_argnums=2, threshold=threshold, passes=no_unroll),
+        "hlopass, one-level top_k": hlopass.jit(knn, static_argnums=2, threshold=threshold, passes=one_level),
         "hand": jax.jit(lambda q, p, k: lax.map(lambda row: tuple(a[0] for a in knn(row[None], p, k)), q,
                                                 batch_size=block), static_argnums=2),
     }
@@ -92,9 +97,10 @@ def measure(kind, queries, points, d, repeats, threshold, block) -> dict:
         args = (q, p, K) if name == "keops" else (jax.device_put(q), jax.device_put(p), K)
         first = timed(fn, args)[0]
         results[name] = (args, first, [np.asarray(a) for a in fn(*args)])
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(timed(fn, results[name][0]))
+    names = list(fns)
+    for r in range(repeats):  # the order rotates: a call right after plain's 1 GB one runs up to 2x slower
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(timed(fns[name], results[name][0]))
     want = results["plain"][2][1]
     row = {"kind": kind, "queries": queries, "points": points, "d": d, "k": K, "threshold": threshold}
     for name in fns:
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sizes = TINY if args.tiny else FULL
-    repeats = args.repeats or (1 if args.tiny else 3)
+    repeats = args.repeats or (1 if args.tiny else 5)
     threshold, block = ("200kB", 16) if args.tiny else (THRESHOLD, BLOCK)
     rows = []
     for kind in ("l2", "l1"):

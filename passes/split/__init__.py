@@ -100,6 +100,9 @@ class SplitOptions:
     #: when the region is split anyway, even if the split size allows more: measured 1.2-1.7x faster
     #: on kNN L2 and the kernel mat-vec (README, chunk shapes). 0: the largest chunk that fits.
     step_cache_bytes: int = 16 * 2**20
+    #: A step's ``top_k`` over a long row selects among group bests first, then among the chosen
+    #: groups' elements: exact, and 4-12x faster than XLA:CPU's ``top_k`` in a kNN (``select.py``).
+    grouped_top_k: bool = True
 
 
 class SplitPass(Pass):
@@ -560,7 +563,7 @@ def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassRepor
           options: SplitOptions) -> LoopPlan:
     region = candidate.region
     plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk,
-                    candidate=candidate)
+                    candidate=candidate, grouped_top_k=options.grouped_top_k)
     inner = dataclasses.replace(config, threshold=config.split_size)
 
     def refine(step: core.ClosedJaxpr) -> core.ClosedJaxpr:

@@ -14,6 +14,7 @@ equations on the slices, and
   as (value, index) pairs keeping the first index on ties (NaN wins, as in
   ``jnp.argmax``), ``top_k`` as a running top-k merged with the slice's
   top-k (the first slice initialises it, so no sentinel can win);
+  a step's ``top_k`` over a long row selects in two levels (:mod:`.select`);
 * scatters the slice's indices and updates into a scatter's running result
   (initialised with the scatter's operand), in order, when the indices run
   along the split axis.
@@ -45,6 +46,7 @@ from hlopass.sharding import conform, distributed_type
 from .region import SplitRegion
 from .online import FINAL, Scales, clamp, rescale
 from .rules import SCATTER_MONOIDS, chunk_params, combine, identity
+from .select import grouped_top_k
 
 
 @dataclasses.dataclass
@@ -62,6 +64,8 @@ class LoopPlan:
     candidate: object = None
     #: steps written out one after the other instead of a loop (short axes, see ``unroll.py``)
     unroll: bool = False
+    #: a step's ``top_k`` over a long row selects in two levels (``select.py``)
+    grouped_top_k: bool = True
 
     @functools.cached_property
     def carried(self) -> list:
@@ -199,6 +203,11 @@ class LoopPlan:
             invals = [_positive_nan(invals[0])]
         if monoid == "top_k" and size < eqn.params["k"]:
             outs = _whole_slice_as_top_k(eqn, invals[0])
+        elif eqn.primitive.name == "top_k" and self.grouped_top_k and not getattr(self.candidate, "nested", False) \
+                and eqn.params.get("axis", -1) in (-1, jnp.ndim(invals[0]) - 1) \
+                and (grouped := grouped_top_k(invals[0], eqn.params["k"], eqn.outvars[1].aval.dtype)) is not None:
+            # (a step split again keeps its top_k whole: the inner loop merges it along its own axis)
+            outs = grouped
         elif eqn.primitive.name == "dot_general":
             if monoid == "add" and _is_low_float(eqn.outvars[0].aval.dtype):
                 # partial products stay in float32 until the end, as XLA accumulates one dot
