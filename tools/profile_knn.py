@@ -1,4 +1,4 @@
-"""Profile (issue 14): where a split kNN step spends its time, and what a grouped selection would gain.
+"""Profile (issue 14): where a split kNN step spends its time, and what the grouped selection gains.
 
 For kNN L1 (or L2, ``--kind``) at d = 3 (``fixtures/knn.py``), this times, side by side in one process (median process CPU time
 and wall time of interleaved calls), the parts of the loop hlopass emits and the alternatives tried:
@@ -6,8 +6,10 @@ and wall time of interleaved calls), the parts of the loop hlopass emits and the
 * ``distances only``: each step's distances (the short reduction unrolled, as the split pass emits
   it) reduced to one number per query, so nothing is selected;
 * ``top_k only``: ``lax.top_k`` of an already computed chunk of distances, once per step;
-* ``hlopass``: the whole program as ``hlopass.jit`` emits it (distances and ``top_k`` per step, merge);
-* ``grouped, fused``: a hand-written exact two-level selection over the same steps: the points taken
+* ``hlopass``: the whole program as ``hlopass.jit`` emits it (distances and, per step, the grouped
+  selection of ``passes/split/select.py``);
+* ``hlopass, one-level top_k``: the same with ``SplitPass(grouped_top_k=False)`` (XLA's ``top_k`` per row);
+* ``grouped, fused``: the hand-written prototype of the grouped selection over the same steps: the points taken
   in groups of ``G``, the best distance of each group computed in the same fusion as the distances
   (the step's distances are never stored), ``top_k`` of the group bests, then the distances of the
   ``k`` chosen groups' points recomputed and selected. The true ``k`` nearest all lie in the ``k``
@@ -37,6 +39,7 @@ from jax import lax  # noqa: E402
 
 import hlopass  # noqa: E402
 from fixtures.knn import knn_l1, knn_l2  # noqa: E402
+from hlopass.passes.split import SplitPass  # noqa: E402
 from tools.bench_knn_speed import keops_knn  # noqa: E402
 
 K = 10
@@ -113,6 +116,8 @@ def main(argv=None) -> int:
     p = rng.uniform(0, 1, (options.points, options.d)).astype(np.float32)
     kind, knn = options.kind, (knn_l1 if options.kind == "l1" else knn_l2)
     hlo = hlopass.jit(knn, static_argnums=2, threshold="100MB")
+    one_level = hlopass.jit(knn, static_argnums=2, threshold="100MB",
+                            passes=["hvp", "algebraic", "matrix_chain", SplitPass(grouped_top_k=False)])
     report = hlo.trace(q, p, K).report
     split = [r for r in report.rewrites if r.pass_name == "split" and r.kind == "split"]
     chunk = int(split[0].details["chunk"]) if split else options.queries
@@ -129,6 +134,7 @@ def main(argv=None) -> int:
         "distances only": lambda: distances_only(qd, pd, chunk, kind),
         "top_k only": lambda: top_k_only(d_chunk, K, n_steps),
         "hlopass": lambda: hlo(qd, pd, K),
+        "hlopass, one-level top_k": lambda: one_level(qd, pd, K),
         f"grouped, fused (G = {options.group})": lambda: grouped_knn(qd, pd, K, chunk, options.group, kind),
         "plain jax.jit": lambda: jax.jit(knn, static_argnums=2)(qd, pd, K),
     }
