@@ -38,6 +38,11 @@ EXCLUSIONS: list[Exclusion] = [
     Exclusion("test_split_tanh_argmax_follows_xla_tanh",
               lambda p, mode: p.grid and p.has("expand:sqdist") and p.has("reduce:argmax"),
               deviation="README, The split pass, Transcendental rounding"),
+    # split: XLA:CPU contracts v*v*v - max into one fused multiply-add inside a loop body, so a softmax of a
+    # cube whose logits' float32 step is large gets a weight off by exp(that step) (not on the grid: exact)
+    Exclusion("test_split_softmax_of_a_cube_follows_xla_fma_contraction",
+              lambda p, mode: not p.grid and p.has("map:cube") and p.has("reduce:softmax_matvec"),
+              deviation="README, The split pass, Fused multiply-add"),
 ]
 
 

@@ -174,6 +174,39 @@ def test_split_tanh_argmax_follows_xla_tanh():
     assert float(jax.jit(jnp.tanh)(np.float32(8.0))) == 1.0 != float(rounded)  # XLA's tanh alone: 2 ulp off
 
 
+
+def test_split_softmax_of_a_cube_follows_xla_fma_contraction():
+    """Fuzzer seed r507440854637, program 3 (float32, a softmax of cubed squared distances, value and
+    gradient): one softmax weight came out 1.0038 where jax.jit gives 1. The cause is XLA:CPU, not the
+    split: inside one fusion it contracts ``v*v*v - max`` into a fused multiply-add, so the difference
+    is taken from the unrounded cube while the max was taken from the rounded one, and at logits near
+    87,000 (float32 step 0.0078) that is a factor exp(0.0038) on the weight. The split's loop body
+    puts the cube and the subtraction in one fusion (documented deviation: README, the split pass,
+    Fused multiply-add)."""
+    from tests.fuzz import runner
+    v = np.float32(44.363678)
+    rounded = np.float32(v * v * v)                    # the cube rounded to float32, as a max would hold it
+    contracted = float(jax.jit(lambda v, c: v * v * v - c)(np.full(64, v), np.full(64, rounded))[0])
+    fused = float(np.float64(np.float32(v * v)) * np.float64(v) - np.float64(rounded))  # (v*v)*v - c, one rounding
+    assert contracted == pytest.approx(fused, abs=1e-6) and contracted != 0.0           # XLA:CPU contracts
+
+    x, y, w = runner.draw_batch("r507440854637", only=3, exclusions=False).programs[0].make_inputs()
+
+    def fn(x, y, w):
+        s = jax.nn.softmax(jnp.sum((x[1::2][:, None] - y[None]) ** 2, -1) ** 3, -1)
+        return jnp.sum((s @ w) * jnp.arange(48.0)), s
+
+    grad = jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True)
+    ours = hlopass.jit(grad, threshold=24000, split_size=24000, passes=["algebraic", "split"])
+    (_, got), _ = ours(x, y, w)
+    (_, want), _ = jax.jit(grad)(x, y, w)
+    assert np.asarray(want)[8].max() == 1.0
+    xs = np.float64(x[1::2][8])
+    v68 = np.float32(sum(np.float32((np.float32(xs[j]) - y[68, j]) ** 2) for j in range(5)))
+    cube = np.float64(np.float32(v68 * v68)) * np.float64(v68)
+    factor = np.exp(cube - np.float32(cube))        # exp(the contracted cube - the max, the rounded cube)
+    assert abs(float(np.asarray(got)[8, 68]) - factor) < 1e-3 < abs(factor - 1.0)
+
 def test_expanded_distance_with_inf_and_nan_then_products():
     """Fuzzer seed 9, program 6: the expanded distance's non-finite entries, then products, were NaN
     where plain gives ±Inf; the finite guard reruns the written program for them."""
