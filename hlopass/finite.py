@@ -51,18 +51,24 @@ SPLITS_REGIONS = "split_regions"
 
 
 def why_unguarded(result_aval, written_peak_bytes: int, threshold: int | None, splitter: str | None,
-                  operand_avals=()) -> str | None:
+                  operand_avals=(), built_operand_avals=()) -> str | None:
     """Why a rewrite gets no finite guard, or ``None`` when it gets one: the written program peaks
     over the threshold and a later pass (``splitter``) splits it in the guard's branch, so the branch
     holds at most a split step (a branch keeping a smaller written program whole would hold memory
     the rewrite saved); and the result is at most the threshold (a branch around a larger one would
-    hide it from the split pass, which must split its readers). Not in a sharded program: the split
+    hide it from the split pass, which must split its readers), and so is every operand the program
+    builds (``built_operand_avals``; the branch takes its operands whole, so a larger one would be built
+    whole on every call: the memory and time the split saves, e.g. the ``K_uf``-sized cotangents of an
+    SGPR gradient; the program's own arguments cost nothing). Not in a sharded program: the split
     pass does not always see the arguments' shardings inside the branch, so it could split a sharded
     axis there (gathering it onto every device); a process with several devices counts as sharded."""
     if _sharded(list(operand_avals) + [result_aval]):
         return "not guarded: a sharded program"
     if threshold is not None and aval_nbytes(result_aval) > threshold:
         return f"not guarded: the {aval_str(result_aval)} result is over the threshold"
+    large = [a for a in built_operand_avals if threshold is not None and aval_nbytes(a) > threshold]
+    if large:
+        return f"not guarded: its operand {aval_str(large[0])} is over the threshold (a branch would need it whole)"
     if threshold is None or written_peak_bytes <= threshold:
         return f"not guarded: the written form ({format_size(written_peak_bytes)}) is under the threshold"
     if splitter is None:

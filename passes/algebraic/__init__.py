@@ -132,8 +132,10 @@ def finite_guard(closed: core.ClosedJaxpr, c: Candidate, threshold: int | None, 
     program in its branch."""
     if same_products(c.expansion, c.output_labels) or (c.plan is not None and c.plan.squares):
         return None, None  # the written products, or a pairwise distance emitted with plain's Inf/NaN
+    given = set(closed.jaxpr.invars) | set(closed.jaxpr.constvars)
     caveat = why_unguarded(c.eqn.outvars[0].aval, c.removed.nbytes, threshold, splitter,
-                           [v.aval for v in c.expander.sources])
+                           [v.aval for v in c.expander.sources],
+                           [v.aval for v in c.expander.sources if isinstance(v, core.Var) and v not in given])
     if caveat:
         return None, caveat
     return written_between(closed, list(c.expander.sources), list(c.eqn.outvars)), None

@@ -358,10 +358,11 @@ def emit_planned(p: Plan, expansion: Expansion, values: list, output_labels: tup
         expansion = Expansion(tuple(monomials) + p.rest)
     terms = emit_terms(expansion, values, output_labels, label_sizes, out_shape, dtype)
     total = add_terms(terms, out_shape, dtype)
+    # a select, not max/min: XLA:CPU's fused maximum (YNNPACK) can drop a NaN that the sum must keep
     if p.sign > 0:
-        total = jnp.maximum(total, zero)
+        total = jnp.where(total < zero, zero, total)
     elif p.sign < 0:
-        total = jnp.minimum(total, zero)
+        total = jnp.where(total > zero, zero, total)
     if p.diagonal:
         on_diagonal = None
         for i, j in p.diagonal:

@@ -109,8 +109,10 @@ class MatrixChainPass(Pass):
                     report.skip(root, "dot_general", f"chain {network.original_expression}: {plan.why}")
                 continue
             build = functools.partial(_emit, network, plan.path)
+            given = set(live.jaxpr.invars) | set(live.jaxpr.constvars)
             caveat = why_unguarded(root.outvars[0].aval, plan.peak_before, config.threshold, splitter,
-                                   [a.aval for a in network.atoms])
+                                   [a.aval for a in network.atoms],
+                                   [a.aval for a in network.atoms if isinstance(a, core.Var) and a not in given])
             if caveat is None:
                 try:
                     build = functools.partial(_guarded, build, written_between(live, network.atoms, [root.outvars[0]]))
