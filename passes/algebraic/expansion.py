@@ -784,8 +784,8 @@ def emit(expansion: Expansion, values: list, output_labels: tuple, label_sizes: 
     ``output_labels`` gives the label of each output axis (``None`` for size 1).
     """
     total = add_terms(emit_terms(expansion, values, output_labels, label_sizes, out_shape, dtype), out_shape, dtype)
-    if clamp_at_zero:  # a select keeps NaN (XLA:CPU's fused maximum can drop it)
-        total = jnp.where(total < 0, jnp.zeros((), dtype), total)
+    if clamp_at_zero:  # t + max(-t, 0) keeps a NaN that XLA:CPU's fused max(t, 0) can drop
+        total = total + jnp.maximum(-total, jnp.zeros((), dtype))
     return total
 
 

@@ -358,11 +358,12 @@ def emit_planned(p: Plan, expansion: Expansion, values: list, output_labels: tup
         expansion = Expansion(tuple(monomials) + p.rest)
     terms = emit_terms(expansion, values, output_labels, label_sizes, out_shape, dtype)
     total = add_terms(terms, out_shape, dtype)
-    # a select, not max/min: XLA:CPU's fused maximum (YNNPACK) can drop a NaN that the sum must keep
+    # t + max(-t, 0), not max(t, 0): XLA:CPU's fused maximum before a large sum can drop a NaN, the
+    # addition keeps it (and the result is exact: t, or t - t = 0)
     if p.sign > 0:
-        total = jnp.where(total < zero, zero, total)
+        total = total + jnp.maximum(-total, zero)
     elif p.sign < 0:
-        total = jnp.where(total > zero, zero, total)
+        total = total + jnp.minimum(-total, zero)
     if p.diagonal:
         on_diagonal = None
         for i, j in p.diagonal:

@@ -215,7 +215,7 @@ def test_clamped_distance_keeps_a_nan_through_a_fused_sum():
     """Fresh seed r1093874309472, program 7: the sum of cubed squared distances of points with a NaN
     coordinate was a number under hlopass, NaN under jax.jit. The expanded distance was clamped at zero
     with a maximum, and XLA:CPU's fused maximum before a large sum drops NaN (``jax.jit`` of
-    ``sum(maximum(x, 0) ** 3)`` gives a number for an ``x`` holding a NaN); the clamp is now a select."""
+    ``sum(maximum(x, 0) ** 3)`` gives a number for an ``x`` holding a NaN); the clamp is now t + max(-t, 0)."""
     x, y = normal(89, 3), normal(90, 3)
     x[31, 1] = np.nan
     fn = lambda x, y: jnp.sum(jnp.sum((x[::-1][:, None] - y[None]) ** 2, -1) ** 3)  # noqa: E731
