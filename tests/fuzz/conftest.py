@@ -2,6 +2,9 @@
 
 from tests.fuzz import runner
 
+#: JAX's own test files, run through hlopass by test_peer_tests.py, not as this project's tests.
+collect_ignore = ["jax_peer"]
+
 
 def pytest_terminal_summary(terminalreporter):
     if runner.SUMMARY_LINES:

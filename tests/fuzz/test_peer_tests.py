@@ -15,9 +15,8 @@ import pytest
 from tests.fuzz import runner
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER_DIR = next((p / "shared" / "peer-tests" / "jax-0.10.2" for p in ROOT.parents
-                 if (p / "shared" / "peer-tests" / "jax-0.10.2").exists()),
-                ROOT.parent / "shared" / "peer-tests" / "jax-0.10.2")
+#: The two files of the subset, vendored (tests/fuzz/jax_peer/README.md): a clone needs nothing beside it.
+PEER_DIR = Path(__file__).resolve().parent / "jax_peer"
 FILES = "reducers,einsum"
 SELECTION = "testReducerWhere or testCumulativeSum or from_dask or test_one_operand"
 #: "file:Class::test" -> "owner: why". A listed test that passes again is reported (delete its line).
@@ -27,7 +26,7 @@ KNOWN: dict[str, str] = {}
 @pytest.mark.slow
 def test_jax_peer_tests_subset_through_hlopass(tmp_path):
     if not (PEER_DIR / "lax_numpy_reducers_test.py").exists():
-        pytest.fail(f"JAX's test files are not in {PEER_DIR}: the project's shared/ folder is missing")
+        pytest.fail(f"JAX's test files are not in {PEER_DIR}")
     out = tmp_path / "peer.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "peer_tests.py"), "--files", FILES, "-k", SELECTION,
                            "--json", str(out), "--peer-dir", str(PEER_DIR)],
