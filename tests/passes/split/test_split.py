@@ -374,7 +374,7 @@ def test_steps_are_capped_for_the_cache_when_splitting_anyway():
     chunks = {}
     for cache in (None, 0):
         split = SplitPass() if cache is None else SplitPass(step_cache_bytes=cache)
-        fn = hlopass.jit(kernel_matvec, threshold="40MB", passes=["algebraic", split])
+        fn = hlopass.jit(kernel_matvec, threshold="60MB", passes=["algebraic", split])
         [entry] = [r for r in fn.trace(x, x, v).report.rewrites if r.kind == "split"]
         chunks[cache] = entry.details["chunk_bytes"]
         np.testing.assert_allclose(fn(x, x, v), want, rtol=2e-5, atol=2e-4)
@@ -382,4 +382,4 @@ def test_steps_are_capped_for_the_cache_when_splitting_anyway():
         want_grad = jax.grad(lambda x, v: kernel_matvec(x, x, v).sum(), argnums=(0, 1))(x, v)
         for got, ref in zip(grad, want_grad):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
-    assert chunks[None] <= 16 * 2**20 < chunks[0] <= 40e6
+    assert chunks[None] <= 16 * 2**20 < chunks[0] <= 60e6
