@@ -217,7 +217,8 @@ def analyse(jaxpr: core.Jaxpr, region) -> OnlineInfo:
     for var, kind in kinds.items():
         if kind in (FREE, WHOLE) or var not in region.var_axis or region.var_axis[var] is None:
             continue
-        if any(j not in region.eqns for j in _readers(jaxpr, var)):
+        # read after the loop, or a result of the program itself (``softmax(x)`` returned along the split axis)
+        if var in jaxpr.outvars or any(j not in region.eqns for j in _readers(jaxpr, var)):
             raise _infeasible(region.seed, f"a {kind} value (from the running maximum or the sums) leaves the loop")
     return OnlineInfo(maxima, sorted(region.shift), entries, kinds, sums, sorted(region.final), deferred)
 

@@ -25,7 +25,7 @@ class Exclusion:
 
 
 NAN_SEEING_REDUCERS = ("reduce:max", "reduce:min", "reduce:argmax", "reduce:logsumexp", "reduce:softmax_matvec",
-                       "reduce:top_k", "post:top_k", "map:clip")
+                       "reduce:top_k", "post:top_k", "map:clip", "map:relu")
 
 EXCLUSIONS: list[Exclusion] = [
     # split: max/min/clip propagate NaN and top_k ranks it first, as JAX documents; XLA:CPU's fused large

@@ -100,6 +100,26 @@ def test_split_top_k_and_clip_follow_jax_nan_semantics():
     np.testing.assert_array_equal(np.asarray(ours(x, y)), want.astype(np.float32))
 
 
+
+def test_relu_of_nan_follows_the_fusion_xla_cpu_puts_it_in():
+    """The same documented deviation for an elementwise ``maximum(v, 0)`` (fresh seeds r394279222309,
+    r967046302204): XLA:CPU's maximum drops a NaN when it is fused into a large reduction's kernel and
+    keeps it elsewhere, so which of plain ``jax.jit`` and hlopass gives NaN depends on where each puts it.
+    The seed's program: ``jax.jit`` gives a number, hlopass NaN, the IEEE answer (NumPy's)."""
+    from tests.fuzz import runner
+    x = np.ones((310, 311), np.float32)
+    x[3, 4] = np.nan
+    fused = jax.jit(lambda x: jnp.sum(jnp.exp(-jnp.maximum(x, 0.0) ** 2 / 2)))(x)
+    assert np.isfinite(float(fused)) and np.isnan(float(jnp.maximum(jnp.float32(np.nan), 0.0)))
+
+    batch = runner.draw_batch("r394279222309", size=8, only=5, exclusions=False)
+    program = batch.programs[0]
+    inputs = program.make_inputs()
+    ours = hlopass.jit(program.fn, threshold=batch.threshold, split_size=batch.split_size)
+    got, want = np.asarray(ours(*inputs)[0]), np.asarray(jax.jit(program.fn)(*inputs)[0])
+    assert np.isfinite(want).all() and np.isnan(got).any()
+
+
 def test_split_float16_dot_accumulates_like_xla():
     xs, ys = normal(4, 60000, dtype=np.float16), normal(60000, dtype=np.float16)
     fn = lambda x, y: jnp.sin(x) @ y  # noqa: E731
@@ -224,6 +244,22 @@ def test_clamped_distance_keeps_a_nan_through_a_fused_sum():
     assert np.isnan(float(jax.jit(fn)(x, y))) and np.isnan(float(ours(x, y)))
     finite = np.nan_to_num(x)
     np.testing.assert_allclose(float(ours(finite, y)), float(jax.jit(fn)(finite, y)), rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [60, 226])
+def test_softmax_returned_along_its_only_splittable_axis(rows):
+    """Fresh seed r523754279801, program 1: ``softmax(((x[:, None] - y[None]) @ w)[::3], -1)`` came out
+    one-hot (1.0 where jax.jit gives 0.015). The strided rows left only the softmax axis to split, the
+    online softmax carried a running maximum, and ``exp(x - m)`` of each slice, shifted by the maximum
+    *so far*, was written out as the program's result: a program output was not counted as leaving
+    the loop. Such a region is not online now: the running maximum and sum get a loop of their own,
+    and the probabilities are computed from their final values."""
+    x, y, w = normal(rows, 2), normal(223, 2), normal(2)
+    fn = lambda x, y, w: jax.nn.softmax(((x[:, None] - y[None]) @ w)[::3], -1)  # noqa: E731
+    ours = hlopass.jit(fn, threshold=32000, split_size=4000, passes="split")
+    splits = [r for r in ours.trace(x, y, w).report.rewrites if r.kind == "split"]
+    assert splits and all(r.details["axis"] == 1 for r in splits)
+    np.testing.assert_allclose(np.asarray(ours(x, y, w)), np.asarray(jax.jit(fn)(x, y, w)), rtol=1e-5, atol=1e-7)
 
 def test_expanded_distance_with_inf_and_nan_then_products():
     """Fuzzer seed 9, program 6: the expanded distance's non-finite entries, then products, were NaN
