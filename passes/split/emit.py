@@ -175,8 +175,10 @@ class LoopPlan:
             if i in self.region.scans:  # a cumulative op along the axis: the running total before this slice
                 monoid, reverse = self.region.scans[i]
                 axis = self.region.var_axis[eqn.outvars[0]]
-                outs = [combine(monoid, carries[i].astype(outs[0].dtype), outs[0])]
-                new_carries[i] = lax.slice_in_dim(outs[0], 0 if reverse else size - 1, 1 if reverse else size, axis=axis)
+                carry = carries[i]   # float32 for a 16-bit sum, as XLA accumulates one cumsum
+                total = combine(monoid, carry, outs[0].astype(carry.dtype))
+                new_carries[i] = lax.slice_in_dim(total, 0 if reverse else size - 1, 1 if reverse else size, axis=axis)
+                outs = [total.astype(eqn.outvars[0].aval.dtype)]
             env.update(zip(eqn.outvars, outs))
             if extra is not None:
                 extras[eqn.outvars[0]] = extra
@@ -355,7 +357,7 @@ class LoopPlan:
         var = self.jaxpr.eqns[i].outvars[0]
         shape = list(var.aval.shape)
         shape[self.region.var_axis[var]] = 1
-        return core.ShapedArray(tuple(shape), var.aval.dtype)
+        return core.ShapedArray(tuple(shape), _accumulator_dtype(self.region.scans[i][0], var.aval.dtype))
 
     @property
     def maxima(self) -> list:

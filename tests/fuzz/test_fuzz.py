@@ -49,8 +49,9 @@ REGRESSION_SEEDS: list[str] = [
     "r1093874309472",  # the distance's clamp at zero dropped a NaN (test_clamped_distance_keeps_a_nan...)
     "r523754279801",  # online softmax wrote exp(x - running max) out (test_softmax_returned_along_its_only...)
     "r394279222309",  # XLA:CPU's fused maximum drops NaN (documented; program 5 redrawn)
+    "r198898401976",  # a bfloat16 cumsum's running total carried in bfloat16 (test_split_bfloat16_cumsum...)
 ]
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,096 programs per run.
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,104 programs per run.
 FRESH_SEEDS = 64
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,

@@ -261,6 +261,19 @@ def test_softmax_returned_along_its_only_splittable_axis(rows):
     assert splits and all(r.details["axis"] == 1 for r in splits)
     np.testing.assert_allclose(np.asarray(ours(x, y, w)), np.asarray(jax.jit(fn)(x, y, w)), rtol=1e-5, atol=1e-7)
 
+
+def test_split_bfloat16_cumsum_carries_its_running_total_in_float32():
+    """Fresh seed r198898401976, program 6 (bfloat16, ``cumsum`` of a softmax-weighted sum, under
+    ``jax.vmap``): split one row per step, the running total was carried in bfloat16, and once it
+    reached 32 (step 0.25) the small terms were lost: 16.6 where the float32 run gives 42 and jax.jit
+    42.0. The total is now carried in float32, as XLA accumulates one ``cumsum``."""
+    from tests.fuzz import runner
+    batch = runner.draw_batch("r198898401976", size=8, only=6)
+    assert batch.programs[0].has("post:cumsum") or "cumsum" in batch.programs[0].description
+    result = runner.check_batch(batch)
+    assert result["rewrites"]["split:split"] >= 1
+    assert not result["failures"], result["failures"]
+
 def test_expanded_distance_with_inf_and_nan_then_products():
     """Fuzzer seed 9, program 6: the expanded distance's non-finite entries, then products, were NaN
     where plain gives ±Inf; the finite guard reruns the written program for them."""
