@@ -269,6 +269,14 @@ def as_accurate(got, want, wide, jittered, where: str = "") -> str | None:
     return "; ".join(problems) or None
 
 
+def _tolerance(leaf_dtype, program_dtype: str, gradient: bool) -> float:
+    """Relative tolerance of a float leaf: its own dtype's or the program's, whichever is looser, and
+    :data:`GRADIENT_TOLERANCE_FLOAT32` for a float32 gradient."""
+    leaf = jnp.dtype(leaf_dtype).name
+    wider_grad = GRADIENT_TOLERANCE_FLOAT32 if gradient and "float32" in (leaf, program_dtype) else 0.0
+    return max(TOLERANCE[leaf], TOLERANCE.get(program_dtype, 0.0), wider_grad)
+
+
 def compare(got, want, where: str = "", dtype: str = "float64", gradient: bool = False) -> str | None:
     """``None`` when ``got`` matches ``want``, else what differs. Float leaves get the tolerance of
     their own dtype or of the program's ``dtype``, whichever is looser (a float32 loss of float16
@@ -305,8 +313,7 @@ def compare(got, want, where: str = "", dtype: str = "float64", gradient: bool =
         scale = max(float(np.max(np.abs(w64[finite]))), 1e-30)
         ok = finite & ~near_max
         err = np.abs(g64[ok] - w64[ok])
-        tol = max(TOLERANCE[w.dtype.name], TOLERANCE.get(dtype, 0.0),
-                  GRADIENT_TOLERANCE_FLOAT32 if gradient else 0.0) * scale
+        tol = _tolerance(w.dtype, dtype, gradient) * scale
         if err.size and float(err.max()) > tol:
             i = int(np.argmax(err))
             return f"{name}: max error {err.max():.3g} > {tol:.3g} (scale {scale:.3g}; " \
@@ -359,6 +366,12 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
             problem = _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, problem)
             if problem is None:
                 result["as_accurate"] = result.get("as_accurate", 0) + 1
+        if problem and problem.startswith("d/d input") and program.has("wrap:grad") \
+                and result["rewrites"]["hvp:fwdrev_hvp"] and program.dtype in WIDER:
+            problem = _judged_fwdrev(batch, i, grads_got, grads_want, mine, problem)
+            if problem is None:
+                result.setdefault("fwdrev", []).append(program.label)
+                continue
         if problem and ("NaN" in problem or "infinit" in problem) and not program.specials \
                 and program.dtype in ("float16", "bfloat16"):
             problem = _judged_overflow(batch, i, got, want, grads_got, grads_want, mine, problem)
@@ -389,6 +402,53 @@ def _judged_by_wider_run(batch, i, got, want, grads_got, grads_want, mine, probl
         verdict = as_accurate([grads_got[j] for j in mine], [grads_want[j] for j in mine], wide_grads, jit_grads,
                               f"{label} gradients")
     return None if verdict is None else f"{problem}; {verdict}"
+
+
+def plain_forward_over_reverse(batch: Batch, index: int):
+    """The gradients of program ``index`` in ``batch``'s mode under plain ``jax.jit``, with its inner
+    gradient taken forward-over-reverse as written by hand (the hvp pass's trace-time interception,
+    without the rest of hlopass): the formula the hvp pass emits, in plain JAX."""
+    from passes.hvp.trace import intercept_gradients
+    program = batch.programs[index]
+    F, _ = _combined([program])
+    flat = program.make_inputs()
+    float_pos = float_inputs(program.inputs)
+    with intercept_gradients([]):
+        _, grads = jax.jit(_value_and_grad(F, float_pos))(*flat)
+    return jax.device_get(grads)
+
+
+def _judged_fwdrev(batch, i, grads_got, grads_want, mine, problem) -> str | None:
+    """``None`` when program ``i``'s gradient difference is the rounding of forward-over-reverse: the
+    program's inner gradient is differentiated again, which the hvp pass does forward-over-reverse
+    (``jax.jvp`` of the gradient, where ``jax.jit`` goes reverse-over-reverse); the rewritten program
+    run in the next wider type matches ``jax.jit``'s run there to that type's tolerance (the formula
+    is right); and in its own type hlopass is as close to the wider run as the same formula written by
+    hand in plain JAX (:func:`plain_forward_over_reverse`), within a factor of 2 and the tolerance.
+    README, *hvp*, Rounding. Else ``problem`` and why."""
+    single = dataclasses.replace(batch, programs=[batch.programs[i]])
+    try:
+        with jax.enable_x64(True):
+            (_, wide_got), (_, wide_want), *_ = execute(single, widen=True)
+        by_hand = plain_forward_over_reverse(batch, i)
+    except Exception as err:  # noqa: BLE001 - no second opinion, the difference stands
+        return f"{problem} (no forward-over-reverse check: {type(err).__name__}: {err})"
+    label, dtype = batch.programs[i].label, batch.programs[i].dtype
+    for j, (ours, hand, wide, reference) in enumerate(zip([grads_got[k] for k in mine], by_hand,
+                                                          wide_got, wide_want)):
+        formula = compare(wide, reference, f"{label} gradient {j} in the wider type", gradient=True)
+        if formula:
+            return f"{problem}; the rewrite differs from jax.jit in the wider type too: {formula}"
+        ours64, hand64, ref64 = (np.asarray(a, np.float64) for a in (ours, hand, reference))
+        ok = np.isfinite(ours64) & np.isfinite(hand64) & np.isfinite(ref64)
+        if not ok.any():
+            continue
+        tol = _tolerance(np.asarray(ours).dtype, dtype, True) * float(np.abs(ref64[ok]).max())
+        mine_off, hand_off = (float(np.abs(a[ok] - ref64[ok]).max()) for a in (ours64, hand64))
+        if mine_off > 2 * hand_off + tol:
+            return f"{problem}; {label} gradient {j}: hlopass is {mine_off:.3g} from the wider run, " \
+                   f"forward-over-reverse by hand {hand_off:.3g}"
+    return None
 
 
 def overflowed_alike(got, want, wide, where: str = "") -> str | None:
@@ -482,7 +542,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
               exclusions: bool = True) -> dict:
     total = {"seeds": [str(s) for s in seeds], "programs": 0, "rewrites": collections.Counter(), "failures": [],
              "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter(),
-             "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "unguarded": []}
+             "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "unguarded": [], "fwdrev": []}
     start = time.perf_counter()
     for seed in seeds:
         batch = draw_batch(seed, size, only, exclusions)
@@ -500,6 +560,7 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
         total["as_accurate"] += result.get("as_accurate", 0)
         total["overflow"] += result.get("overflow", 0)
         total["unguarded"] += result.get("unguarded", [])
+        total["fwdrev"] += result.get("fwdrev", [])
         if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
             confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions)
             for f in result["failures"]:

@@ -50,8 +50,9 @@ REGRESSION_SEEDS: list[str] = [
     "r523754279801",  # online softmax wrote exp(x - running max) out (test_softmax_returned_along_its_only...)
     "r394279222309",  # XLA:CPU's fused maximum drops NaN (documented; program 5 redrawn)
     "r198898401976",  # a bfloat16 cumsum's running total carried in bfloat16 (test_split_bfloat16_cumsum...)
+    "r879294236803",  # forward-over-reverse rounding of a float32 second derivative (runner._judged_fwdrev)
 ]
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,104 programs per run.
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,112 programs per run.
 FRESH_SEEDS = 64
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
@@ -85,7 +86,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
                                             stderr=subprocess.STDOUT, text=True)))
     total = {"programs": 0, "failures": [], "rewrites": collections.Counter(), "excluded": collections.Counter(),
              "modes": collections.Counter(), "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "ill_conditioned": [],
-             "unguarded": []}
+             "unguarded": [], "fwdrev": []}
     logs = []
     for out, proc in procs:
         log, _ = proc.communicate(timeout=3600)
@@ -100,6 +101,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         total["overflow"] += part.get("overflow", 0)
         total["ill_conditioned"] += part.get("ill_conditioned", [])
         total["unguarded"] += part.get("unguarded", [])
+        total["fwdrev"] += part.get("fwdrev", [])
         for key in ("rewrites", "excluded", "modes"):
             total[key].update(part[key])
     seconds = time.perf_counter() - start
@@ -117,6 +119,8 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         f"do not; no special inputs): {total['overflow']}",
         f"non-finite differences after a rewrite the report says is not guarded (README, the finite guard): "
         f"{len(total['unguarded'])}" + "".join(f"\n  {line}" for line in total["unguarded"]),
+        f"second derivatives judged forward-over-reverse rounding (the hvp pass's formula matches jax.jit in "
+        f"the wider type; README, hvp): {len(total['fwdrev'])}" + "".join(f"\n  {p}" for p in total["fwdrev"]),
         f"differences seen only at {runner.FAST_FLAG} (not failures): {len(total['fast_flag_only'])}"
         + "".join(f"\n  {f['program']}: {f['problem']} ({f['reproduce']})" for f in total["fast_flag_only"]),
         f"fresh seeds this run: {','.join(fresh) or '-'}",
@@ -224,6 +228,27 @@ def test_as_accurate_judges_integer_results_of_inexact_values_by_entries_moved()
     jittered = wide + np.array([1, 1, 1, 0, 0, 0], np.int32)
     assert runner.as_accurate(moved_two, plain, wide, jittered) is None          # rounding moves three entries
     assert runner.as_accurate(wide + 1, plain, wide, jittered) is not None       # six moved: wrong
+
+def test_forward_over_reverse_rounding_is_told_from_a_wrong_second_derivative():
+    """Seed r879294236803, program 5: a float32 softmax of squared products, its gradient differentiated
+    again. The hvp pass takes that forward-over-reverse, whose float32 result is 1.1e-3 of the scale
+    from the float64 run where jax.jit's reverse-over-reverse is 1.1e-4: the judge passes it because
+    the rewrite matches jax.jit in float64 and plain JAX's ``jax.jvp`` of the gradient is as far off;
+    it fails the same gradients with one entry moved by 2% of the scale."""
+    import numpy as np
+    batch = runner.draw_batch("r879294236803", only=5)
+    assert batch.mode == "grad_out" and batch.programs[0].has("wrap:grad")
+    with runner.observed_reports() as reports:
+        (_, grads_got), (_, grads_want), *_ = runner.execute(batch)
+    assert any(r.kind == "fwdrev_hvp" for report in reports for r in report.rewrites)
+    mine = list(range(len(grads_got)))
+    first = runner.compare(grads_got[0], grads_want[0], "d/d input 0", "float32", gradient=True)
+    assert first is not None, "the seed no longer shows forward-over-reverse rounding"
+    assert runner._judged_fwdrev(batch, 0, grads_got, grads_want, mine, first) is None
+    wrong = [np.array(g) for g in grads_got]
+    wrong[0].flat[0] += 0.02 * np.abs(wrong[0]).max()
+    assert runner._judged_fwdrev(batch, 0, wrong, grads_want, mine, first) is not None
+
 
 def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():
     """A non-finite difference in a 16-bit program passes only as overflow: jax.jit overflowed and hlopass
