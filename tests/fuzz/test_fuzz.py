@@ -51,8 +51,9 @@ REGRESSION_SEEDS: list[str] = [
     "r394279222309",  # XLA:CPU's fused maximum drops NaN (documented; program 5 redrawn)
     "r198898401976",  # a bfloat16 cumsum's running total carried in bfloat16 (test_split_bfloat16_cumsum...)
     "r879294236803",  # forward-over-reverse rounding of a float32 second derivative (runner._judged_fwdrev)
+    "r127685842164",  # a bfloat16 grid program past 256 rounds: not exact (runner._exact_in_its_type)
 ]
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,112 programs per run.
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,120 programs per run.
 FRESH_SEEDS = 64
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
@@ -248,6 +249,21 @@ def test_forward_over_reverse_rounding_is_told_from_a_wrong_second_derivative():
     wrong = [np.array(g) for g in grads_got]
     wrong[0].flat[0] += 0.02 * np.abs(wrong[0]).max()
     assert runner._judged_fwdrev(batch, 0, wrong, grads_want, mine, first) is not None
+
+
+def test_a_grid_program_that_rounds_in_its_type_is_not_judged_exact():
+    """Seed r127685842164, program 6: bfloat16 grid values whose squared distances reach 6,561, past
+    bfloat16's exact integers (256). jax.jit's top-k values are then off the float32 run, ties fall by
+    rounding, and the indices are judged against the wider run, not for equality; the same program
+    with results equal to the wider run's stays exact."""
+    import numpy as np
+    batch = runner.draw_batch("r127685842164", only=6)
+    program = batch.programs[0]
+    assert program.exact and program.dtype == "bfloat16"
+    want = [jax.device_get(jax.jit(program.fn)(*program.make_inputs()))]
+    assert not runner._exact_in_its_type(batch, 0, want)
+    wide, _ = runner.wider_reference(batch, 0)
+    assert runner._exact_in_its_type(batch, 0, [[np.asarray(leaf) for leaf in wide]])
 
 
 def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():
