@@ -169,13 +169,16 @@ class LoopPlan:
                         invals[pos] = entries[atom]
             if i in scattered:
                 invals[0] = scattered[i]
+            if i in self.region.scans and carries[i].dtype != eqn.outvars[0].aval.dtype:
+                # a 16-bit cumulative sum or product runs in float32 within the slice too
+                invals = [invals[0].astype(carries[i].dtype), *invals[1:]]
             outs, extra = self._bind(i, eqn, invals, start, size)
             if running is not None and eqn.outvars[0] in running:  # the running maximum (NaN first), its flags
                 outs = [combine(self.region.reducing[i], running[eqn.outvars[0]], outs[0])]
             if i in self.region.scans:  # a cumulative op along the axis: the running total before this slice
                 monoid, reverse = self.region.scans[i]
                 axis = self.region.var_axis[eqn.outvars[0]]
-                carry = carries[i]   # float32 for a 16-bit sum, as XLA accumulates one cumsum
+                carry = carries[i]   # float32 for a 16-bit sum or product
                 total = combine(monoid, carry, outs[0].astype(carry.dtype))
                 new_carries[i] = lax.slice_in_dim(total, 0 if reverse else size - 1, 1 if reverse else size, axis=axis)
                 outs = [total.astype(eqn.outvars[0].aval.dtype)]

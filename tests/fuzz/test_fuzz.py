@@ -52,8 +52,9 @@ REGRESSION_SEEDS: list[str] = [
     "r198898401976",  # a bfloat16 cumsum's running total carried in bfloat16 (test_split_bfloat16_cumsum...)
     "r879294236803",  # forward-over-reverse rounding of a float32 second derivative (runner._judged_fwdrev)
     "r127685842164",  # a bfloat16 grid program past 256 rounds: not exact (runner._exact_in_its_type)
+    "r660789466657",  # the same, its only result an index (runner.largest_intermediate)
 ]
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,120 programs per run.
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,128 programs per run.
 FRESH_SEEDS = 64
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
@@ -262,8 +263,26 @@ def test_a_grid_program_that_rounds_in_its_type_is_not_judged_exact():
     assert program.exact and program.dtype == "bfloat16"
     want = [jax.device_get(jax.jit(program.fn)(*program.make_inputs()))]
     assert not runner._exact_in_its_type(batch, 0, want)
-    wide, _ = runner.wider_reference(batch, 0)
-    assert runner._exact_in_its_type(batch, 0, [[np.asarray(leaf) for leaf in wide]])
+    assert runner.largest_intermediate(program) == 29859.0
+
+
+def test_an_index_of_values_past_the_exact_integers_is_not_judged_exact():
+    """Seed r660789466657, program 4: bfloat16 grid products summed along a row to 1,344, then an
+    argmin: the only result is an index, so the values' rounding shows only in the magnitudes the
+    program computes (runner.largest_intermediate, evaluated in float64); a program that stays within
+    bfloat16's integers stays exact."""
+    batch = runner.draw_batch("r660789466657", only=4)
+    program = batch.programs[0]
+    assert program.exact and program.dtype == "bfloat16"
+    assert runner.largest_intermediate(program) == 1344.0
+    with jax.enable_x64(batch.x64):
+        want = [jax.device_get(jax.jit(jax.vmap(program.fn) if batch.mode.startswith("vmap") else program.fn)(
+            *program.make_inputs((2,) if batch.mode.startswith("vmap") else ())))]
+        assert not runner._exact_in_its_type(batch, 0, want)
+    within = runner.draw_batch("25", only=3)          # grid sums and squares up to 144, an argmax
+    assert within.programs[0].exact and runner.largest_intermediate(within.programs[0]) == 144.0
+    want = [jax.device_get(jax.jit(within.programs[0].fn)(*within.programs[0].make_inputs()))]
+    assert runner._exact_in_its_type(within, 0, want)
 
 
 def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():

@@ -274,6 +274,24 @@ def test_split_bfloat16_cumsum_carries_its_running_total_in_float32():
     assert result["rewrites"]["split:split"] >= 1
     assert not result["failures"], result["failures"]
 
+def test_split_bfloat16_cumsum_runs_in_float32_within_each_slice():
+    """Fresh seed r660789466657, program 4 (bfloat16 grid products, ``cumsum`` along rows to 1,344, then
+    ``argmin`` down the columns): split 27 columns per step, each slice's own ``cumsum`` ran in bfloat16
+    before the float32 running total was added, and 5 of 188 indices differed from the float32 run,
+    where jax.jit's differ in none. The slice's cumulative sum now runs in float32 too."""
+    rng = np.random.default_rng(0)
+    a = rng.integers(-3, 4, (191, 7)).astype(jnp.bfloat16)
+    b = rng.integers(-3, 4, (188, 7)).astype(jnp.bfloat16)
+    fn = lambda a, b: jnp.argmin(jnp.cumsum(jnp.sum(a, 1)[:, None] * jnp.sum(b, 1)[None], -1), 0)  # noqa: E731
+    ours = hlopass.jit(fn, threshold=24000, split_size=24000)
+    assert ours.trace(a, b).report.rewrites
+    wide = np.asarray(jax.jit(fn)(a.astype(np.float32), b.astype(np.float32)))
+    assert np.sum(np.asarray(ours(a, b)) != wide) <= np.sum(np.asarray(jax.jit(fn)(a, b)) != wide)
+    from tests.fuzz import runner
+    result = runner.check_batch(runner.draw_batch("r660789466657", size=8, only=4))
+    assert result["rewrites"]["split:split"] >= 1 and not result["failures"], result["failures"]
+
+
 def test_expanded_distance_with_inf_and_nan_then_products():
     """Fuzzer seed 9, program 6: the expanded distance's non-finite entries, then products, were NaN
     where plain gives ±Inf; the finite guard reruns the written program for them."""
