@@ -291,6 +291,7 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
         return closed
     changed = False
     broken: set = set()
+    chunks_of_dots: dict = {}   # the chunk of each product recomputed in a loop (_harmonise_chunks)
     staging_tries = 2  # looking for two-pass values costs re-planning: twice per level at most
     for _ in range(options.max_rounds):
         jaxpr = current.jaxpr
@@ -306,11 +307,44 @@ def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
             for seed, index, reason in failures:
                 _report_skip(report, jaxpr, seed, index, reason)
             break
+        _harmonise_chunks(jaxpr, plans, chunks_of_dots)
         built = _rewrite_isolating_failures(current, jaxpr, plans, report, broken)
         if built is None:
             break
         current, changed = built, True
     return current if changed else closed
+
+
+def _harmonise_chunks(jaxpr, plans, recorded: dict) -> None:
+    """Give every loop that recomputes the same ``dot_general`` along the same axis the same chunk:
+    the smallest any of them chose, this round or an earlier one of the level (``recorded``).
+
+    XLA:CPU's dot kernels round differently for different widths (one column, five, 32...), so a
+    product recomputed in two loops with different chunks differs in its last bits. Where both
+    copies meet again through ``exp``, as a softmax normalised in one loop and exponentiated in
+    another, the probabilities no longer sum to one: a float32 gradient 25 times its own scale
+    off (fresh seed r73655148886). A smaller chunk always fits.
+    """
+    keys = []
+    for plan in plans:
+        region = plan.region
+        keys.append({(_eqn_key(jaxpr.eqns[i]), region.size, region.var_axis.get(jaxpr.eqns[i].outvars[0]))
+                     for i in region.eqns if jaxpr.eqns[i].primitive.name == "dot_general"
+                     and region.var_axis.get(jaxpr.eqns[i].outvars[0]) is not None})
+    changed = True
+    while changed:
+        changed = False
+        for plan, own in zip(plans, keys):
+            if not own or getattr(plan.candidate, "nested", False):
+                continue
+            chunk = min([plan.chunk, *(recorded[k] for k in own if k in recorded)])
+            for k in own:
+                if recorded.get(k, chunk + 1) > chunk:
+                    recorded[k] = chunk
+                    changed = True
+            if chunk < plan.chunk:
+                plan.chunk = chunk
+                changed = True
 
 
 def _has_large_max(jaxpr, large: int) -> bool:

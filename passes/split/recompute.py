@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax._src import core
 
-from hlopass.families import ELEMENTWISE
+from hlopass.families import CUMULATIVE, ELEMENTWISE
 from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import dce
 
@@ -111,8 +111,14 @@ class _Stages:
 
 
 def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[int] | None:
-    """Equations computing the outputs of equation ``i`` back to small values (``None`` if one of
-    them cannot be recomputed: no split rule, or effects)."""
+    """Equations computing the outputs of equation ``i`` back to small values or to the results of
+    cumulative ops (``None`` if one of them cannot be recomputed: no split rule, or effects; or if
+    ``i`` is a cumulative op). A cumulative op is computed once and read by every stage: a copy
+    carried through a loop rounds its running total otherwise than the whole op, and a softmax
+    normalised in one stage and exponentiated in another would no longer sum to one (fresh seed
+    r73655148886)."""
+    if jaxpr.eqns[i].primitive.name in CUMULATIVE:
+        return None
     cone, stack = set(), [i]
     share = device_bytes(jaxpr)
     while stack:
@@ -124,9 +130,10 @@ def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[i
             return None
         cone.add(j)
         for atom in eqn.invars:
-            if isinstance(atom, core.Var) and atom in graph.producer and (
-                    share(atom) > large or _elementwise_of_large(jaxpr.eqns[graph.producer[atom]], large, share)):
-                stack.append(graph.producer[atom])
+            producer = graph.producer.get(atom) if isinstance(atom, core.Var) else None
+            if producer is not None and jaxpr.eqns[producer].primitive.name not in CUMULATIVE and (
+                    share(atom) > large or _elementwise_of_large(jaxpr.eqns[producer], large, share)):
+                stack.append(producer)
     return sorted(cone)
 
 

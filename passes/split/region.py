@@ -207,10 +207,11 @@ def seed_labels(jaxpr: core.Jaxpr, seed: int, threshold: int) -> list[object]:
 
 
 class _Grower:
-    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, split_size: int):
+    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, split_size: int, whole: frozenset[int] = frozenset()):
         self.jaxpr = jaxpr
         self.graph = graph
         self.split_size = split_size
+        self.whole = whole   # equations computed once outside the region, read as its inputs
         self.share = device_bytes(jaxpr)
         self.maps: dict[int, DimMap | None] = {}
 
@@ -287,6 +288,9 @@ class _Grower:
                 raise Infeasible(i, "reached along two different axes")
             return
         eqn = self.jaxpr.eqns[i]
+        if i in self.whole:
+            raise Infeasible(i, f"{eqn.primitive.name} is read outside the region too and lies on a path "
+                                f"through it (it is computed once, whole)")
         dm = self.dim_map(i)
         if label is None:
             raise Infeasible(i, f"{eqn.primitive.name} cannot be sliced along the split axis")
@@ -306,7 +310,7 @@ class _Grower:
                 continue
             if self.large(var):  # a large value (a result of the program too) is written slice by slice
                 for j in self.graph.uses(var):
-                    if j not in region.eqns:
+                    if j not in region.eqns and j not in self.whole:
                         queue.append((j, self._label_of_use(j, var, axis)))
         for pos, atom in enumerate(eqn.invars):
             axis = dm.in_axis(label, pos) if pos < len(dm.ins) else None
@@ -315,8 +319,8 @@ class _Grower:
                 continue
             self._set_size(region, i, atom, axis)
             producer = self.graph.producer.get(atom)
-            if axis is not None and producer is not None and producer not in region.eqns and \
-                    (self.large(atom) or self._reads_large(producer)):
+            if axis is not None and producer is not None and producer not in region.eqns \
+                    and producer not in self.whole and (self.large(atom) or self._reads_large(producer)):
                 k = self.jaxpr.eqns[producer].outvars.index(atom)
                 queue.append((producer, self.dim_map(producer).outs[k][axis]))
 
@@ -389,5 +393,18 @@ def _reachable(starts, step) -> set[int]:
 
 
 def grow_region(jaxpr: core.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int) -> SplitRegion:
-    """The region grown from ``seed`` along ``label``; raises :class:`Infeasible`."""
-    return _Grower(jaxpr, graph, split_size).grow(seed, label)
+    """The region grown from ``seed`` along ``label``; raises :class:`Infeasible`.
+
+    A cumulative op whose result is also read outside the region is computed once, whole, and read
+    by the region as an input: recomputed in the loop, its running total would round otherwise than
+    the whole op that the outside readers see, and a softmax normalised by one and exponentiated
+    from the other is no longer normalised (fresh seed r73655148886).
+    """
+    whole: frozenset[int] = frozenset()
+    while True:
+        region = _Grower(jaxpr, graph, split_size, whole).grow(seed, label)
+        shared = {i for i in region.scans if i != seed and any(
+            j not in region.eqns for var in jaxpr.eqns[i].outvars for j in graph.uses(var))}
+        if not shared:
+            return region
+        whole |= shared
