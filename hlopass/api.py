@@ -10,9 +10,7 @@ import weakref
 from typing import Any, Callable
 
 import jax
-from jax._src import config as jax_config
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
+from hlopass import internals as jx
 
 from hlopass import settings, sharding
 from hlopass.call import CheckedJit, hlopass_call_p
@@ -122,7 +120,7 @@ class HlopassFunction:
 
     # -- jax.jit's interface -------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if jax_config.disable_jit.value:  # as jax.jit does: run the function eagerly
+        if jx.disable_jit.value:  # as jax.jit does: run the function eagerly
             return self._fun(*args, **kwargs)
         return self._checked(self.config())(*args, **kwargs)
 
@@ -194,7 +192,7 @@ class StagedFunction:
         self.trace_count += 1
         config, label = self.config, self.label
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [isinstance(leaf, core.Tracer) for leaf in leaves]
+        dynamic = [isinstance(leaf, jx.Tracer) for leaf in leaves]
         out_tree = []
         notes: list = []
 
@@ -209,9 +207,9 @@ class StagedFunction:
             return out_leaves
 
         dynamic_leaves = [leaf for leaf, d in zip(leaves, dynamic) if d]
-        closed = trace_flat(flat_fun, [core.typeof(x) for x in dynamic_leaves], label)
+        closed = trace_flat(flat_fun, [jx.typeof(x) for x in dynamic_leaves], label)
         consts = list(closed.consts)
-        body = core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
+        body = jx.ClosedJaxpr(jx.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
         outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label,
                                    notes=tuple(notes))
         return jax.tree_util.tree_unflatten(out_tree[0], outs)
@@ -286,7 +284,7 @@ class Traced:
         return getattr(self._traced, name)
 
     @property
-    def original_jaxpr(self) -> core.ClosedJaxpr:
+    def original_jaxpr(self) -> jx.ClosedJaxpr:
         """The user's program as traced, before any pass."""
         return _hlopass_eqn(self._traced.jaxpr).params["jaxpr"]
 
@@ -302,7 +300,7 @@ class Traced:
             return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"], eqn.params["notes"])
 
     @property
-    def rewritten_jaxpr(self) -> core.ClosedJaxpr:
+    def rewritten_jaxpr(self) -> jx.ClosedJaxpr:
         """The program after the passes."""
         return self._result.jaxpr
 

@@ -44,15 +44,7 @@ import weakref
 from typing import Callable, NamedTuple
 
 import jax
-from jax._src import config as jax_config
-from jax._src import core, pjit, source_info_util
-from jax._src.array import ArrayImpl
-from jax._src import effects as effects_lib
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.tree_util import FlatTree, tree_flatten, tree_unflatten
-from jax._src.util import merge_lists, split_list, subs_list, weakref_lru_cache
-from jax._src import linear_util as lu
+from hlopass import internals as jx
 
 from hlopass import sharding
 from hlopass.families import CHEAP_TO_RECOMPUTE
@@ -63,18 +55,18 @@ from hlopass.report import Comparison
 
 logger = logging.getLogger("hlopass")
 
-hlopass_call_p = core.Primitive("hlopass_call")
+hlopass_call_p = jx.Primitive("hlopass_call")
 hlopass_call_p.multiple_results = True
 
 
-def bind(args, *, jaxpr: core.ClosedJaxpr, config, name: str, notes: tuple = ()):
+def bind(args, *, jaxpr: jx.ClosedJaxpr, config, name: str, notes: tuple = ()):
     """Stage (or run) ``jaxpr`` on ``args`` as a ``hlopass_call``."""
     return hlopass_call_p.bind(*args, jaxpr=jaxpr, config=config, name=name, notes=tuple(notes))
 
 
 def _impl(*args, jaxpr, config, name, notes):
-    if jax_config.disable_jit.value:  # as jax.jit does under jax.disable_jit(): run op by op
-        return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+    if jx.disable_jit.value:  # as jax.jit does under jax.disable_jit(): run op by op
+        return jx.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
     return checked_primitive_call(jaxpr, config, name, notes)(*args)
 
 
@@ -82,7 +74,7 @@ hlopass_call_p.def_impl(_impl)
 
 
 def _abstract_eval(*in_avals, jaxpr, config, name, notes):
-    return jaxpr.out_avals, core.positional_effects(jaxpr) if hasattr(core, "positional_effects") else jaxpr.effects
+    return jaxpr.out_avals, jx.positional_effects(jaxpr)
 
 
 hlopass_call_p.def_effectful_abstract_eval(_abstract_eval)
@@ -114,14 +106,14 @@ def _lowering(ctx, *args, jaxpr, config, name, notes):
         whole.result = result
     else:
         settle(result, name, shardings)
-    return mlir.core_call_lowering(ctx, *args, name=f"hlopass_{_safe(name)}", call_jaxpr=result.program)
+    return jx.core_call_lowering(ctx, *args, name=f"hlopass_{_safe(name)}", call_jaxpr=result.program)
 
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name)[:60] or "call"
 
 
-mlir.register_lowering(hlopass_call_p, _lowering, cacheable=False)
+jx.register_lowering(hlopass_call_p, _lowering, cacheable=False)
 
 
 def settle(result: PipelineResult, name: str, shardings: tuple | None = None) -> None:
@@ -175,7 +167,7 @@ def _enforce(result: PipelineResult) -> None:
         enforce(result.check, False)
 
 
-def _compile_alone(closed: core.ClosedJaxpr, config, label: str,
+def _compile_alone(closed: jx.ClosedJaxpr, config, label: str,
                    shardings: tuple | None = None) -> tuple[MemoryCheck, float]:
     """Compile ``closed`` on its own (its inputs placed with ``shardings`` where given); its memory
     figures and the seconds lowering and compiling took."""
@@ -185,7 +177,7 @@ def _compile_alone(closed: core.ClosedJaxpr, config, label: str,
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if s is not None and hasattr(a, "shape") else a
                 for a, s in zip(args, shardings)]
     with sharding.mesh_of(shardings):
-        lowered = jax.jit(core.jaxpr_as_fun(closed)).lower(*args)
+        lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(*args)
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
     return measure(compiled, lowered, config.memory_limit, label, list_largest="over_limit"), seconds
@@ -234,21 +226,11 @@ def blocked_bound(result: PipelineResult, most: int = 6) -> tuple[list[str], lis
 
 
 def _to_lojax(*hi_args, jaxpr, config, name, notes):
-    # As jax.jit's rule (pjit._to_lojax): a program holding high-level types or primitives (the
-    # remat3 checkpoint, hijax types) becomes a hlopass_call of its low-level form.
-    jaxpr, closed_over = pe.convert_const_himutables(jaxpr)
-    hi_args = [*closed_over, *hi_args]
-    lo_args_lol = [aval.read_loval_in(x) if aval.has_qdd else aval.lower_val(x)
-                   for aval, x in zip(jaxpr.in_aval_qdds, hi_args)]
-    lo_args = [x for xs in lo_args_lol for x in xs]
-    in_avals = FlatTree.flatten(([[core.typeof(x) for x in xs] for xs in lo_args_lol], {}))
-    lo_jaxpr, out_avals = pe.lower_jaxpr(jaxpr, in_avals)
-    all_outs = hlopass_call_p.bind(*lo_args, jaxpr=lo_jaxpr, config=config, name=name, notes=notes)
-    out_mut, lo_outs = out_avals.update(all_outs).unpack()
-    for a, x, u in zip(jaxpr.final_aval_qdds, hi_args, out_mut.unpack()):
-        if a.has_qdd:
-            a.aval.update_from_loval2(a.qdd, x, u)
-    return [a.raise_val2(y) for a, y in zip(jaxpr.out_avals, lo_outs.unpack())]
+    # As jax.jit's rule: a program holding high-level types or primitives (the remat3 checkpoint,
+    # hijax types) becomes a hlopass_call of its low-level form.
+    def bind(lo_args, lo_jaxpr):
+        return hlopass_call_p.bind(*lo_args, jaxpr=lo_jaxpr, config=config, name=name, notes=notes)
+    return jx.lower_high_level_call(jaxpr, hi_args, bind)
 
 
 hlopass_call_p.to_lojax = _to_lojax
@@ -257,43 +239,43 @@ hlopass_call_p.to_lojax = _to_lojax
 # -- transformation rules ----------------------------------------------------------------------
 
 def _batcher(axis_data, vals_in, dims_in, *, jaxpr, config, name, notes):
-    batched_jaxpr, dims_out = batching.batch_jaxpr2(jaxpr, axis_data, dims_in)
+    batched_jaxpr, dims_out = jx.batch_jaxpr2(jaxpr, axis_data, dims_in)
     outs = hlopass_call_p.bind(*vals_in, jaxpr=batched_jaxpr, config=config, name=f"vmap({name})", notes=notes)
     return outs, dims_out
 
 
-batching.fancy_primitive_batchers[hlopass_call_p] = _batcher
+jx.fancy_primitive_batchers[hlopass_call_p] = _batcher
 
 
 def _jvp(primals, tangents, *, jaxpr, config, name, notes):
-    nzs = [not isinstance(t, ad.Zero) for t in tangents]
-    jaxpr_jvp, out_nzs = ad.jvp_jaxpr(jaxpr, nzs, False)
-    nz_tangents = [t for t in tangents if not isinstance(t, ad.Zero)]
+    nzs = [not isinstance(t, jx.Zero) for t in tangents]
+    jaxpr_jvp, out_nzs = jx.jvp_jaxpr(jaxpr, nzs, False)
+    nz_tangents = [t for t in tangents if not isinstance(t, jx.Zero)]
     outs = hlopass_call_p.bind(*primals, *nz_tangents, jaxpr=jaxpr_jvp, config=config, name=f"jvp({name})",
                                notes=notes)
     primals_out, nz_tangents_out = outs[:len(out_nzs)], outs[len(out_nzs):]
     nz_outs = iter(nz_tangents_out)
-    tangents_out = [next(nz_outs) if nz else ad.Zero(aval.to_tangent_aval())
+    tangents_out = [next(nz_outs) if nz else jx.Zero(aval.to_tangent_aval())
                     for aval, nz in zip(jaxpr.out_avals, out_nzs)]
     return primals_out, tangents_out
 
 
-ad.primitive_jvps[hlopass_call_p] = _jvp
+jx.primitive_jvps[hlopass_call_p] = _jvp
 
 
 class _Linearized(NamedTuple):
     out_avals: tuple
     consts: tuple
-    primal_jaxpr: core.ClosedJaxpr
+    primal_jaxpr: jx.ClosedJaxpr
     num_res_out: int
     nzs_out: tuple
     in_fwd_res: tuple
-    tangent_jaxpr: core.ClosedJaxpr
+    tangent_jaxpr: jx.ClosedJaxpr
     notes: tuple
 
 
-@weakref_lru_cache
-def _linearized(jaxpr: core.ClosedJaxpr, nzs: tuple, is_vjp: bool, config) -> _Linearized:
+@jx.weakref_lru_cache
+def _linearized(jaxpr: jx.ClosedJaxpr, nzs: tuple, is_vjp: bool, config) -> _Linearized:
     """The passes' ``before_linearize`` rewrites and the primal/tangent split of ``jaxpr``, once per
     program (so that a gradient taken again finds the same programs and compiles nothing)."""
     used, notes = jaxpr, ()
@@ -316,19 +298,19 @@ def _linearize(is_vjp, nzs, *primals, jaxpr, config, name, notes):
         nz_outs = hlopass_call_p.bind(*residuals, *tangents_nz, jaxpr=tangent_jaxpr, config=config,
                                       name=f"lin({name})", notes=())
         nz_outs_ = iter(nz_outs)
-        return [next(nz_outs_) if nz else ad.Zero(a) for nz, a in zip(nzs_out, tangent_avals_out)]
+        return [next(nz_outs_) if nz else jx.Zero(a) for nz, a in zip(nzs_out, tangent_avals_out)]
 
     ans = hlopass_call_p.bind(*primals, jaxpr=lin.primal_jaxpr, config=config, name=name, notes=notes)
-    primal_ans, residuals_ans = split_list(ans, [len(ans) - lin.num_res_out])
-    residuals_ans = subs_list(lin.in_fwd_res, [*lin.consts, *primals], residuals_ans)
+    primal_ans, residuals_ans = jx.split_list(ans, [len(ans) - lin.num_res_out])
+    residuals_ans = jx.subs_list(lin.in_fwd_res, [*lin.consts, *primals], residuals_ans)
     return primal_ans, list(nzs_out), residuals_ans, tangent_fun
 
 
-ad.primitive_linearizations[hlopass_call_p] = _linearize
+jx.register_linearization(hlopass_call_p, _linearize)
 
 
 def primal_tangent_split(jaxpr, nzs, is_vjp, config):
-    """``(jaxpr used, *ad.linearize_jaxpr(...))``.
+    """``(jaxpr used, *jx.linearize_jaxpr(...))``.
 
     When JAX's own linearisation would save a residual larger than the threshold for the backward
     pass (the n x m x d difference of a naive distance, say), ``jaxpr`` is linearised under
@@ -339,10 +321,10 @@ def primal_tangent_split(jaxpr, nzs, is_vjp, config):
     passes can split that recomputation. The rematerialised split is used only if it saves fewer
     residual bytes than JAX's own.
     """
-    split = ad.linearize_jaxpr(jaxpr, nzs, is_vjp=is_vjp)
+    split = jx.linearize_jaxpr(jaxpr, nzs, is_vjp=is_vjp)
     if config.threshold is not None and any(aval_nbytes(a) > config.threshold for a in _residual_avals(split)):
         remat = rematerialized(jaxpr)
-        remat_split = ad.linearize_jaxpr(remat, nzs, is_vjp=is_vjp)
+        remat_split = jx.linearize_jaxpr(remat, nzs, is_vjp=is_vjp)
         if _residual_bytes(remat_split) < _residual_bytes(split):
             return (remat, *remat_split)
     return (jaxpr, *split)
@@ -373,9 +355,9 @@ def recompute_cheap_only(prim, *avals, **params) -> bool:
     return prim.name not in CHEAP_TO_RECOMPUTE
 
 
-def rematerialized(jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def rematerialized(jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """``jaxpr`` wrapped in ``jax.checkpoint`` with :func:`recompute_cheap_only` (same signature)."""
-    body = jax.checkpoint(core.jaxpr_as_fun(jaxpr), policy=recompute_cheap_only, prevent_cse=False)
+    body = jax.checkpoint(jx.jaxpr_as_fun(jaxpr), policy=recompute_cheap_only, prevent_cse=False)
     return trace_flat(lambda *args: body(*args), jaxpr.in_avals, "remat")
 
 
@@ -383,27 +365,27 @@ def _partial_eval(trace, *in_tracers, jaxpr, config, name, notes):
     in_pvals = [t.pval for t in in_tracers]
     unknown_ins = tuple(not pv.is_known() for pv in in_pvals)
     known_jaxpr, unknown_jaxpr, unknown_outs, res_out_avals, in_fwd_res = \
-        pe.partial_eval_jaxpr_nounits_fwd(jaxpr, unknown_ins, instantiate=False)
+        jx.partial_eval_jaxpr_nounits_fwd(jaxpr, unknown_ins, instantiate=False)
     known_inputs = [pv.get_known() for pv in in_pvals if pv.is_known()]
     all_known_outs = hlopass_call_p.bind(*known_inputs, jaxpr=known_jaxpr, config=config, name=name, notes=notes)
-    known_out_vals, residual_vals = split_list(all_known_outs, [len(all_known_outs) - len(res_out_avals)])
+    known_out_vals, residual_vals = jx.split_list(all_known_outs, [len(all_known_outs) - len(res_out_avals)])
     residual_vals_ = iter(residual_vals)
     residual_vals = [next(residual_vals_) if f is None else [*jaxpr.consts, *known_inputs][f] for f in in_fwd_res]
     residual_tracers = [trace.new_instantiated_const(r) for r in residual_vals]
     unknown_params = dict(jaxpr=unknown_jaxpr, config=config, name=f"staged({name})", notes=())
     unknown_tracers_in = [*residual_tracers, *(t for t in in_tracers if not t.pval.is_known())]
-    unknown_tracers_out = [pe.JaxprTracer(trace, pe.PartialVal.unknown(aval), None)
+    unknown_tracers_out = [jx.JaxprTracer(trace, jx.PartialVal.unknown(aval), None)
                            for aval in unknown_jaxpr.out_avals]
-    eqn = pe.new_eqn_recipe(trace, unknown_tracers_in, unknown_tracers_out, hlopass_call_p, unknown_params,
-                            core.positional_effects(unknown_jaxpr), source_info_util.current())
+    eqn = jx.new_eqn_recipe(trace, unknown_tracers_in, unknown_tracers_out, hlopass_call_p, unknown_params,
+                            jx.positional_effects(unknown_jaxpr), jx.current_source_info())
     for t in unknown_tracers_out:
         t.recipe = eqn
-    if effects_lib.partial_eval_kept_effects.filter_in(unknown_jaxpr.effects):
-        trace.effect_handles.append(pe.EffectHandle(unknown_tracers_in, eqn))
-    return merge_lists(unknown_outs, known_out_vals, unknown_tracers_out)
+    if jx.partial_eval_kept_effects.filter_in(unknown_jaxpr.effects):
+        trace.effect_handles.append(jx.EffectHandle(unknown_tracers_in, eqn))
+    return jx.merge_lists(unknown_outs, known_out_vals, unknown_tracers_out)
 
 
-pe.custom_partial_eval_rules[hlopass_call_p] = _partial_eval
+jx.custom_partial_eval_rules[hlopass_call_p] = _partial_eval
 
 
 def _params_updater(unks_in, inst_in, kept_outs_known, kept_outs_staged, num_res_out, num_res_in,
@@ -411,54 +393,53 @@ def _params_updater(unks_in, inst_in, kept_outs_known, kept_outs_staged, num_res
     return params_known, params_staged
 
 
-pe.partial_eval_jaxpr_custom_rules[hlopass_call_p] = \
-    lambda *a, **k: pe.closed_call_partial_eval_custom_rule("jaxpr", _params_updater, *a, **k)
+jx.partial_eval_jaxpr_custom_rules[hlopass_call_p] = \
+    lambda *a, **k: jx.closed_call_partial_eval_custom_rule("jaxpr", _params_updater, *a, **k)
 
 
-@weakref_lru_cache
+@jx.weakref_lru_cache
 def _transpose_jaxpr(jaxpr, in_avals, in_tree):
     cell = lambda: None  # noqa: E731
 
     def transposed(*in_flat):
-        primals_in, cts_in = tree_unflatten(in_tree, in_flat)
-        out = ad.backward_pass(jaxpr.jaxpr, False, jaxpr.consts, primals_in, cts_in)
-        out = [ct if not isinstance(ct, ad.Zero) else None for ct in out]
-        cts_out, cell.out_tree = tree_flatten(out)
+        primals_in, cts_in = jx.tree_unflatten(in_tree, in_flat)
+        out = jx.backward_pass(jaxpr.jaxpr, False, jaxpr.consts, primals_in, cts_in)
+        out = [ct if not isinstance(ct, jx.Zero) else None for ct in out]
+        cts_out, cell.out_tree = jx.tree_flatten(out)
         return cts_out
 
     dbg = jaxpr.jaxpr.debug_info.with_unknown_names()
-    trans_jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(transposed, debug_info=dbg), in_avals)
-    return core.ClosedJaxpr(trans_jaxpr, consts), cell.out_tree
+    trans_jaxpr, _, consts = jx.trace_to_jaxpr_dynamic(jx.wrap_init(transposed, debug_info=dbg), in_avals)
+    return jx.ClosedJaxpr(trans_jaxpr, consts), cell.out_tree
 
 
 def _transpose(cts_in, *primals_in, jaxpr, config, name, notes):
-    in_flat, in_tree = tree_flatten((primals_in, cts_in))
-    in_avals = tuple(core.typeof(x) for x in in_flat)
+    in_flat, in_tree = jx.tree_flatten((primals_in, cts_in))
+    in_avals = tuple(jx.typeof(x) for x in in_flat)
     trans_jaxpr, out_tree = _transpose_jaxpr(jaxpr, in_avals, in_tree)
     cts_out = hlopass_call_p.bind(*in_flat, jaxpr=trans_jaxpr, config=config, name=f"transpose({name})", notes=())
-    return tree_unflatten(out_tree, cts_out)
+    return jx.tree_unflatten(out_tree, cts_out)
 
 
-ad.primitive_transposes[hlopass_call_p] = _transpose
+jx.primitive_transposes[hlopass_call_p] = _transpose
 
 
 def _dce_rule(used_outputs, eqn):
-    if not any(used_outputs) and not pe.has_effects(eqn):
+    if not any(used_outputs) and not jx.has_effects(eqn):
         return [False] * len(eqn.invars), None
-    dced_jaxpr, used_inputs = pe._cached_closed_call_dce(eqn.params["jaxpr"], tuple(used_outputs))
+    dced_jaxpr, used_inputs = jx.cached_call_dce(eqn.params["jaxpr"], tuple(used_outputs))
     unchanged = len(dced_jaxpr.jaxpr.eqns) == len(eqn.params["jaxpr"].jaxpr.eqns)
     if all(used_outputs) and all(used_inputs) and unchanged:
         return used_inputs, eqn  # nothing removed: the same program (its pipeline result is cached by it)
     new_params = dict(eqn.params, jaxpr=dced_jaxpr)
     new_invars = [v for v, used in zip(eqn.invars, used_inputs) if used]
-    new_eqn = pe.new_jaxpr_eqn(new_invars, [v for v, used in zip(eqn.outvars, used_outputs) if used],
-                               eqn.primitive, new_params, core.eqn_effects(dced_jaxpr, new_invars)
-                               if hasattr(core, "eqn_effects") else dced_jaxpr.effects,
+    new_eqn = jx.new_jaxpr_eqn(new_invars, [v for v, used in zip(eqn.outvars, used_outputs) if used],
+                               eqn.primitive, new_params, jx.eqn_effects(dced_jaxpr, new_invars),
                                eqn.source_info, eqn.ctx)
     return used_inputs, new_eqn
 
 
-pe.dce_rules[hlopass_call_p] = _dce_rule
+jx.dce_rules[hlopass_call_p] = _dce_rule
 
 
 # -- calling compiled hlopass programs -------------------------------------------------------
@@ -522,7 +503,7 @@ class CheckedJit:
 
     def signature(self, args, kwargs):
         """The cache key of a call, or ``None`` when an argument is a tracer."""
-        if not kwargs and not self.static_argnums and all(type(a) is ArrayImpl for a in args):
+        if not kwargs and not self.static_argnums and all(type(a) is jx.ArrayImpl for a in args):
             return tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in args)  # common case: no flattening
         static = ()
         if self.static_argnums or self.static_argnames:
@@ -532,7 +513,7 @@ class CheckedJit:
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         for leaf in leaves:
-            if isinstance(leaf, core.Tracer):
+            if isinstance(leaf, jx.Tracer):
                 return None
         return treedef, tuple(map(leaf_signature, leaves)), static
 
@@ -547,7 +528,7 @@ class CheckedJit:
         if entry is _UNCOMPARABLE:  # jax.jit raises its own error for it
             return self.jitted(*args, **kwargs)
         if entry is None:
-            if self.result is None and not core.trace_state_clean():
+            if self.result is None and not jx.trace_state_clean():
                 return self.in_trace(args, kwargs)  # concrete arguments, but staged into a trace
             try:
                 entry = self.check(args, kwargs)
@@ -563,9 +544,9 @@ class CheckedJit:
         """Bind the ``hlopass_call`` of jax.jit's cached trace in the current trace."""
         if not self._bind_directly:
             return self.jitted(*args, **kwargs)
-        params, args_flat = pjit._infer_params(self.jitted._fun, self.jitted._jit_info, args, kwargs)
+        params, args_flat = jx.jit_infer_params(self.jitted._fun, self.jitted._jit_info, args, kwargs)
         closed = params.params["jaxpr"]
-        return tree_unflatten(params.out_tree, _bind_here(closed, args_flat))
+        return jx.tree_unflatten(params.out_tree, _bind_here(closed, args_flat))
 
     def check(self, args, kwargs) -> tuple[MemoryCheck, Callable]:
         """Lower and compile for these arguments, measure, keep the better program if the passes
@@ -617,7 +598,7 @@ class CheckedJit:
 _primitive_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def checked_primitive_call(jaxpr: core.ClosedJaxpr, config, name: str, notes: tuple = ()) -> CheckedJit:
+def checked_primitive_call(jaxpr: jx.ClosedJaxpr, config, name: str, notes: tuple = ()) -> CheckedJit:
     """A checked, compiled callable for a ``hlopass_call`` met outside any trace (eager AD, eager vmap).
 
     It compiles the pipeline's result itself (and ``jaxpr`` when the passes could not bound it), as
@@ -634,14 +615,14 @@ def checked_primitive_call(jaxpr: core.ClosedJaxpr, config, name: str, notes: tu
     return checked
 
 
-def _bind_here(closed: core.ClosedJaxpr, args) -> list:
+def _bind_here(closed: jx.ClosedJaxpr, args) -> list:
     """Evaluate ``closed`` in the current trace, each equation under the caller's source line (as
     jax.jit's own equation would be), not under the line recorded when it was traced."""
     env = dict(zip(closed.jaxpr.constvars, closed.consts))
     env.update(zip(closed.jaxpr.invars, args))
 
     def read(atom):
-        return atom.val if isinstance(atom, core.Literal) else env[atom]
+        return atom.val if isinstance(atom, jx.Literal) else env[atom]
 
     for eqn in closed.jaxpr.eqns:
         params = eqn.primitive.get_bind_params(eqn.params)
@@ -650,13 +631,13 @@ def _bind_here(closed: core.ClosedJaxpr, args) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _evaluator(closed: core.ClosedJaxpr, name: str) -> Callable:
-    """``core.jaxpr_as_fun(closed)`` holding ``closed`` weakly (as ``pjit._get_jaxpr_as_fun`` does)."""
+def _evaluator(closed: jx.ClosedJaxpr, name: str) -> Callable:
+    """``jaxpr_as_fun(closed)`` holding ``closed`` weakly (as ``jx._get_jaxpr_as_fun`` does)."""
     ref = weakref.ref(closed)
 
     def evaluate(*args):
         program = ref()
-        return core.eval_jaxpr(program.jaxpr, program.consts, *args)
+        return jx.eval_jaxpr(program.jaxpr, program.consts, *args)
 
     evaluate.__name__ = evaluate.__qualname__ = f"hlopass_{_safe(name)}"
     return evaluate
@@ -664,4 +645,4 @@ def _evaluator(closed: core.ClosedJaxpr, name: str) -> Callable:
 
 # hlopass's own frames are JAX-internal: source lines in reports, jaxprs and StableHLO name the user's
 # (the registry does the same for the passes' folder when it loads them).
-source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+jx.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)

@@ -35,7 +35,7 @@ CUMULATIVE: dict[str, str] = {
 }
 
 #: Plain calls of a sub-jaxpr: inlining one changes nothing.
-CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "eval_jaxpr"})
 
 #: Rematerialisation boundaries (``jax.checkpoint``): a call whose body JAX recomputes for the
 #: backward pass. Once JAX has split a program into forward and backward calls it is a plain call.

@@ -6,7 +6,7 @@ import functools
 from typing import Iterable
 
 import networkx as nx
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 from hlopass.report import source_line
@@ -21,17 +21,17 @@ class DataflowGraph:
     need only the two maps.
     """
 
-    def __init__(self, closed: core.ClosedJaxpr | core.Jaxpr):
+    def __init__(self, closed: jx.ClosedJaxpr | jx.Jaxpr):
         self.jaxpr = getattr(closed, "jaxpr", closed)
-        self.producer: dict[core.Var, int] = {}
-        self.consumers: dict[core.Var, list[int]] = {}
+        self.producer: dict[jx.Var, int] = {}
+        self.consumers: dict[jx.Var, list[int]] = {}
         for i, eqn in enumerate(self.jaxpr.eqns):
             for atom in eqn.invars:
-                if isinstance(atom, core.Var):
+                if isinstance(atom, jx.Var):
                     self.consumers.setdefault(atom, []).append(i)
             for var in eqn.outvars:
                 self.producer[var] = i
-        self.outvars = {v for v in self.jaxpr.outvars if isinstance(v, core.Var)}
+        self.outvars = {v for v in self.jaxpr.outvars if isinstance(v, jx.Var)}
 
     @functools.cached_property
     def graph(self) -> nx.DiGraph:
@@ -41,13 +41,13 @@ class DataflowGraph:
                              if var in self.producer for j in readers)
         return graph
 
-    def eqn(self, i: int) -> core.JaxprEqn:
+    def eqn(self, i: int) -> jx.JaxprEqn:
         return self.jaxpr.eqns[i]
 
     def source(self, i: int) -> str:
         return source_line(self.jaxpr.eqns[i])
 
-    def uses(self, var: core.Var) -> list[int]:
+    def uses(self, var: jx.Var) -> list[int]:
         """Indices of equations reading ``var`` (not counting the jaxpr's outputs)."""
         return self.consumers.get(var, [])
 

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import networkx as nx
-from jax._src import core, source_info_util
+from hlopass import internals as jx
 
 from hlopass.families import CALLS, REMAT
 from hlopass.jaxpr_utils import call_body, dce, has_subjaxprs, map_subjaxprs, trace_flat
@@ -23,7 +23,7 @@ from hlopass.jaxpr_utils import call_body, dce, has_subjaxprs, map_subjaxprs, tr
 #: across a forward/backward boundary, and hlopass programs have none once JAX split them into calls).
 PLAIN_CALLS = CALLS | REMAT
 
-EqnRule = Callable[[core.JaxprEqn, list[Any]], "list[Any] | None"]
+EqnRule = Callable[[jx.JaxprEqn, list[Any]], "list[Any] | None"]
 
 
 @dataclasses.dataclass
@@ -43,37 +43,37 @@ class Replacement:
     anchor: int | None = None
 
 
-def bind_equation(eqn: core.JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
+def bind_equation(eqn: jx.JaxprEqn, invals: Sequence[Any], params: dict | None = None) -> list[Any]:
     """Bind ``eqn``'s primitive on ``invals`` (with ``params`` if given), under its source info."""
     bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    name_stack = jx.current_name_stack() + eqn.source_info.name_stack
+    with jx.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def at_source_of(eqn: core.JaxprEqn):
+def at_source_of(eqn: jx.JaxprEqn):
     """Context manager: equations traced inside carry ``eqn``'s source line."""
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    name_stack = jx.current_name_stack() + eqn.source_info.name_stack
+    return jx.user_context(eqn.source_info.traceback, name_stack=name_stack)
 
 
-def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+def evaluate(jaxpr: jx.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
              replacements: Sequence[Replacement] = (), eqn_rule: EqnRule | None = None,
              inline_calls: bool = False) -> list[Any]:
-    """Evaluate ``jaxpr`` like ``core.eval_jaxpr`` but with ``replacements`` applied.
+    """Evaluate ``jaxpr`` like ``jx.eval_jaxpr`` but with ``replacements`` applied.
 
     ``eqn_rule(eqn, invals)`` may return output values for any untouched
     equation (``None`` to bind it as it is). With ``inline_calls``, ``pjit``
     and ``closed_call`` bodies are evaluated inline (recursively).
     """
-    env: dict[core.Var, Any] = {}
+    env: dict[jx.Var, Any] = {}
 
     def read(atom):
-        return atom.val if isinstance(atom, core.Literal) else env[atom]
+        return atom.val if isinstance(atom, jx.Literal) else env[atom]
 
     def write(var, value):
-        if not isinstance(var, core.DropVar):
+        if not isinstance(var, jx.DropVar):
             env[var] = value
 
     for var, value in zip(jaxpr.constvars, consts):
@@ -105,7 +105,7 @@ def evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     return [read(v) for v in jaxpr.outvars]
 
 
-def _schedule(jaxpr: core.Jaxpr, replacements: Sequence[Replacement]):
+def _schedule(jaxpr: jx.Jaxpr, replacements: Sequence[Replacement]):
     """Equations and replacements in an order that respects data dependencies."""
     if not replacements:
         return [("eqn", eqn) for eqn in jaxpr.eqns]
@@ -116,7 +116,7 @@ def _schedule(jaxpr: core.Jaxpr, replacements: Sequence[Replacement]):
                 raise ValueError(f"equation {i} is claimed by two replacements")
             owner[i] = k
     node_of = lambda i: ("r", owner[i]) if i in owner else ("e", i)  # noqa: E731
-    producer: dict[core.Var, tuple] = {}
+    producer: dict[jx.Var, tuple] = {}
     graph = nx.DiGraph()
     position: dict[tuple, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
@@ -129,7 +129,7 @@ def _schedule(jaxpr: core.Jaxpr, replacements: Sequence[Replacement]):
         node = node_of(i)
         reads = replacements[owner[i]].inputs if i in owner else eqn.invars
         for atom in reads:
-            src = producer.get(atom) if isinstance(atom, core.Var) else None
+            src = producer.get(atom) if isinstance(atom, jx.Var) else None
             if src is not None and src != node:
                 graph.add_edge(src, node)
     try:
@@ -139,8 +139,8 @@ def _schedule(jaxpr: core.Jaxpr, replacements: Sequence[Replacement]):
     return [("replacement", replacements[n[1]]) if n[0] == "r" else ("eqn", jaxpr.eqns[n[1]]) for n in order]
 
 
-def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[Replacement] = (),
-            eqn_rule: EqnRule | None = None, inline_calls: bool = False, name: str = "hlopass") -> core.ClosedJaxpr:
+def rewrite(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement] = (),
+            eqn_rule: EqnRule | None = None, inline_calls: bool = False, name: str = "hlopass") -> jx.ClosedJaxpr:
     """Re-trace ``closed`` with ``replacements`` (and ``eqn_rule``) applied; dead code removed.
 
     The result has the same input and output avals as ``closed``.
@@ -154,14 +154,14 @@ def rewrite(closed: core.ClosedJaxpr, replacements: Sequence[Replacement] = (),
     return dce(new)
 
 
-def inline_calls(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def inline_calls(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """Inline nested ``pjit``/``closed_call`` bodies (recursively) so passes see one flat program."""
     if not any(eqn.primitive.name in PLAIN_CALLS for eqn in closed.jaxpr.eqns):
         return closed
     return rewrite(closed, inline_calls=True)
 
 
-def rewrite_nested(closed: core.ClosedJaxpr, level: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> core.ClosedJaxpr:
+def rewrite_nested(closed: jx.ClosedJaxpr, level: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) -> jx.ClosedJaxpr:
     """Apply ``level`` to every sub-jaxpr (innermost first), then to ``closed`` itself.
 
     ``level`` returns its argument unchanged (the same object) when it has nothing to do.
@@ -184,8 +184,8 @@ def rewrite_nested(closed: core.ClosedJaxpr, level: Callable[[core.ClosedJaxpr],
     return level(inner)
 
 
-def written_between(closed: core.ClosedJaxpr, inputs: Sequence[core.Var],
-                    outputs: Sequence[core.Var]) -> Callable[..., list[Any]]:
+def written_between(closed: jx.ClosedJaxpr, inputs: Sequence[jx.Var],
+                    outputs: Sequence[jx.Var]) -> Callable[..., list[Any]]:
     """A function ``(*values of inputs) -> values of outputs`` that re-runs, as written, the
     equations of ``closed`` that ``outputs`` depend on, starting from ``inputs``.
 
@@ -195,9 +195,9 @@ def written_between(closed: core.ClosedJaxpr, inputs: Sequence[core.Var],
     jaxpr = closed.jaxpr
     consts = dict(zip(jaxpr.constvars, closed.consts))
     producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
-    stop = {v for v in inputs if isinstance(v, core.Var)}
+    stop = {v for v in inputs if isinstance(v, jx.Var)}
     needed: set[int] = set()
-    todo = [v for v in outputs if isinstance(v, core.Var)]
+    todo = [v for v in outputs if isinstance(v, jx.Var)]
     seen: set = set()
     while todo:
         var = todo.pop()
@@ -209,13 +209,13 @@ def written_between(closed: core.ClosedJaxpr, inputs: Sequence[core.Var],
         i = producer[var]
         if i not in needed:
             needed.add(i)
-            todo += [a for a in jaxpr.eqns[i].invars if isinstance(a, core.Var)]
+            todo += [a for a in jaxpr.eqns[i].invars if isinstance(a, jx.Var)]
     eqns = [jaxpr.eqns[i] for i in sorted(needed)]
 
     def run(*values):
         env: dict = dict(consts)
-        env.update((v, value) for v, value in zip(inputs, values) if isinstance(v, core.Var))
-        read = lambda atom: atom.val if isinstance(atom, core.Literal) else env[atom]  # noqa: E731
+        env.update((v, value) for v, value in zip(inputs, values) if isinstance(v, jx.Var))
+        read = lambda atom: atom.val if isinstance(atom, jx.Literal) else env[atom]  # noqa: E731
         for eqn in eqns:
             for var, value in zip(eqn.outvars, bind_equation(eqn, [read(a) for a in eqn.invars])):
                 env[var] = value

@@ -7,9 +7,7 @@ import math
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-from jax._src import api_util, core
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
+from hlopass import internals as jx
 
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE, OWN_PROGRAMS
 from hlopass.sharding import body_context
@@ -47,7 +45,7 @@ def count_equations(jaxpr) -> int:
     return total
 
 
-def subjaxprs(eqn) -> Iterator[core.Jaxpr]:
+def subjaxprs(eqn) -> Iterator[jx.Jaxpr]:
     """Every (open) sub-jaxpr held in ``eqn.params``: scan/while/cond bodies, call bodies...
 
     A nested ``hlopass_call`` is another hlopass program, with its own settings: not entered.
@@ -58,10 +56,10 @@ def subjaxprs(eqn) -> Iterator[core.Jaxpr]:
         yield from _jaxprs_in(value)
 
 
-def _jaxprs_in(value) -> Iterator[core.Jaxpr]:
-    if isinstance(value, core.ClosedJaxpr):
+def _jaxprs_in(value) -> Iterator[jx.Jaxpr]:
+    if jx.is_closed_jaxpr(value):
         yield value.jaxpr
-    elif isinstance(value, core.Jaxpr):
+    elif isinstance(value, jx.Jaxpr):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
@@ -73,7 +71,7 @@ def has_subjaxprs(eqn) -> bool:
     return next(subjaxprs(eqn), None) is not None
 
 
-def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]) -> dict | None:
+def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) -> dict | None:
     """``eqn.params`` with every sub-jaxpr passed through ``transform``; ``None`` if none changed.
 
     Open ``Jaxpr`` params (``checkpoint``, ``shard_map``) are closed for the transform and
@@ -88,29 +86,30 @@ def map_subjaxprs(eqn, transform: Callable[[core.ClosedJaxpr], core.ClosedJaxpr]
         with body_context(eqn):
             return transform(closed)
 
-    def visit(value):
+    def visit(key, value):
         nonlocal changed
-        if isinstance(value, core.ClosedJaxpr):
+        if jx.is_open_body(eqn.primitive.name, key, value):
+            wrapped = jx.closed(value)
+            new = in_context(wrapped)
+            if new is not wrapped and new.jaxpr is not value and not new.consts:
+                changed = True
+                return new.jaxpr
+            return value
+        if jx.is_closed_jaxpr(value):
             new = in_context(value)
             if new is not value:
                 changed = True
             return new
-        if isinstance(value, core.Jaxpr):
-            new = in_context(core.ClosedJaxpr(value, ()))
-            if new.jaxpr is not value and not new.consts:
-                changed = True
-                return new.jaxpr
-            return value
         if isinstance(value, (tuple, list)) and any(True for _ in _jaxprs_in(value)):
-            items = [visit(v) for v in value]
+            items = [visit(key, v) for v in value]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
         return value
 
-    params = {key: visit(value) for key, value in eqn.params.items()}
+    params = {key: visit(key, value) for key, value in eqn.params.items()}
     return params if changed else None
 
 
-def call_body(eqn) -> core.ClosedJaxpr | None:
+def call_body(eqn) -> jx.ClosedJaxpr | None:
     """The body a call-like equation runs on its operands (``pjit``, ``closed_call``,
     ``checkpoint``, ``custom_jvp_call``, ``custom_vjp_call``), closed; ``None`` for other equations.
 
@@ -123,10 +122,10 @@ def call_body(eqn) -> core.ClosedJaxpr | None:
     keys = ("call_jaxpr", "fun_jaxpr") if name in CUSTOM_DERIVATIVE_CALLS else ("jaxpr", "call_jaxpr")
     for key in keys:
         body = eqn.params.get(key)
-        if isinstance(body, core.ClosedJaxpr):
+        if jx.is_open_body(name, key, body):
+            return jx.closed(body)
+        if jx.is_closed_jaxpr(body):
             return body
-        if isinstance(body, core.Jaxpr):
-            return core.ClosedJaxpr(body, ())
     return None
 
 
@@ -143,18 +142,18 @@ def iter_eqns(jaxpr, into_own_programs: bool = False) -> Iterator[Any]:
             yield from iter_eqns(sub, into_own_programs)
 
 
-def trace_flat(fun: Callable, in_avals: Sequence[Any], name: str = "hlopass") -> core.ClosedJaxpr:
+def trace_flat(fun: Callable, in_avals: Sequence[Any], name: str = "hlopass") -> jx.ClosedJaxpr:
     """Trace ``fun(*flat_args) -> list`` at ``in_avals`` (exact avals, weak types kept)."""
-    dbg = api_util.debug_info(name, fun, tuple(in_avals), {})
-    wrapped = lu.wrap_init(fun, debug_info=dbg)
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
-    return core.ClosedJaxpr(jaxpr, consts)
+    dbg = jx.tracing_debug_info(name, fun, tuple(in_avals), {})
+    wrapped = jx.wrap_init(fun, debug_info=dbg)
+    jaxpr, _, consts = jx.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return jx.ClosedJaxpr(jaxpr, consts)
 
 
-def dce(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def dce(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """Remove equations whose results are unused, keeping every input."""
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-    return core.ClosedJaxpr(jaxpr, closed.consts)
+    jaxpr, _ = jx.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    return jx.ClosedJaxpr(jaxpr, closed.consts)
 
 
 def largest_values(closed, limit: int = 5) -> list[tuple[str, int, str]]:
@@ -167,7 +166,7 @@ def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int,
     """Values defined inside ``closed`` (recursively; its inputs and outputs aside) larger than
     ``threshold`` bytes, largest first, as (type, bytes, primitive at source line)."""
     top = getattr(closed, "jaxpr", closed)
-    outputs = {v for v in top.outvars if isinstance(v, core.Var)}
+    outputs = {v for v in top.outvars if isinstance(v, jx.Var)}
     sized = ((aval_nbytes(var.aval), var, eqn) for eqn in iter_eqns(closed) for var in eqn.outvars)
     above = (row for row in sized if row[0] > threshold and row[1] not in outputs)
     return _described(heapq.nlargest(limit, above, key=lambda row: row[0]))

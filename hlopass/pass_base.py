@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, ContextManager, Iterable
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.interpreter import rewrite_nested
@@ -89,7 +89,7 @@ class Pass:
         return self._later.get(capability)
 
     # -- the pipeline step -----------------------------------------------------------------------
-    def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+    def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         """Rewrite ``closed``; return the new jaxpr (the same object when nothing changed) and the report."""
         report = PassReport(self.name)
         if self.recursive:
@@ -98,7 +98,7 @@ class Pass:
             new = self.run_level(closed, config, report)
         return new, report
 
-    def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
+    def run_level(self, closed: jx.ClosedJaxpr, config: Config, report: PassReport) -> jx.ClosedJaxpr:
         """Rewrite one jaxpr level (its sub-jaxprs are already done)."""
         raise NotImplementedError
 
@@ -110,8 +110,8 @@ class Pass:
         """
         return None
 
-    def before_linearize(self, closed: core.ClosedJaxpr, config: Config,
-                         notes: list[Note]) -> core.ClosedJaxpr:
+    def before_linearize(self, closed: jx.ClosedJaxpr, config: Config,
+                         notes: list[Note]) -> jx.ClosedJaxpr:
         """Rewrite a jaxpr JAX is about to linearise (``jax.grad`` of a hlopass function).
 
         Returns ``closed`` itself when there is nothing to do; findings go to ``notes``.

@@ -20,7 +20,7 @@ import weakref
 from typing import Iterator, Sequence
 
 import jax
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
@@ -49,7 +49,7 @@ class PipelineResult:
     object lives in a cache keyed by it.
     """
 
-    def __init__(self, original: core.ClosedJaxpr, rewritten: core.ClosedJaxpr | None, report: PipelineReport,
+    def __init__(self, original: jx.ClosedJaxpr, rewritten: jx.ClosedJaxpr | None, report: PipelineReport,
                  config: Config):
         self._original = weakref.ref(original)
         self._rewritten = rewritten
@@ -63,7 +63,7 @@ class PipelineResult:
         self.warned = False
 
     @property
-    def original(self) -> core.ClosedJaxpr:
+    def original(self) -> jx.ClosedJaxpr:
         return self._original()
 
     @property
@@ -72,12 +72,12 @@ class PipelineResult:
         return self._rewritten is not None
 
     @property
-    def jaxpr(self) -> core.ClosedJaxpr:
+    def jaxpr(self) -> jx.ClosedJaxpr:
         """The program after the passes (the original object when nothing was rewritten)."""
         return self._rewritten if self._rewritten is not None else self._original()
 
     @property
-    def program(self) -> core.ClosedJaxpr:
+    def program(self) -> jx.ClosedJaxpr:
         """What goes to XLA: the rewritten program, unless the original was kept."""
         return self._original() if self.kept == "original" else self.jaxpr
 
@@ -95,10 +95,10 @@ class PipelineResult:
         return self.config.never_worse and self.changed and bool(self.unbounded)
 
 
-_cache: "weakref.WeakKeyDictionary[core.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
+_cache: "weakref.WeakKeyDictionary[jx.ClosedJaxpr, dict]" = weakref.WeakKeyDictionary()
 
 
-def run_pipeline(closed: core.ClosedJaxpr, config: Config, label: str = "function",
+def run_pipeline(closed: jx.ClosedJaxpr, config: Config, label: str = "function",
                  notes: Sequence[Note] = ()) -> PipelineResult:
     """Run ``config.passes`` on ``closed``; cached per (jaxpr object, config, notes, input shardings).
 
@@ -135,7 +135,7 @@ def _check_enabled() -> bool:
     return os.environ.get(ENV_CHECK, "") not in ("", "0") or bool(jax.config.jax_enable_checks)
 
 
-def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note]) -> PipelineResult:
+def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note]) -> PipelineResult:
     report = PipelineReport(label=label, config_line=config.describe(),
                             equations_before=count_equations(closed))
     if not config.passes:
@@ -150,7 +150,7 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[N
             new, pass_report = pass_.run(current, config)
             _check_signature(current, new, pass_.name)
             if new is not current and _check_enabled():
-                core.check_jaxpr(new.jaxpr)
+                jx.check_jaxpr(new.jaxpr)
         except Exception as err:  # noqa: BLE001 - never crash on an unknown program
             if _raise_errors():
                 raise
@@ -177,7 +177,7 @@ def _run(closed: core.ClosedJaxpr, config: Config, label: str, notes: Sequence[N
     return PipelineResult(closed, current, report, config)
 
 
-def _check_signature(before: core.ClosedJaxpr, after: core.ClosedJaxpr, name: str) -> None:
+def _check_signature(before: jx.ClosedJaxpr, after: jx.ClosedJaxpr, name: str) -> None:
     def sig(avals):
         return [(getattr(a, "shape", None), getattr(a, "dtype", None), type(a)) for a in avals]  # tokens too
     if sig(before.in_avals) != sig(after.in_avals) or sig(before.out_avals) != sig(after.out_avals):
@@ -196,7 +196,7 @@ def trace_contexts(config: Config, notes: list[Note]) -> Iterator[None]:
         yield
 
 
-def before_linearize(closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, tuple[Note, ...]]:
+def before_linearize(closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, tuple[Note, ...]]:
     """Apply the enabled passes' :meth:`~hlopass.pass_base.Pass.before_linearize` in pipeline order.
 
     A pass that raises there is skipped (its failure becomes a note), as in :func:`run_pipeline`.

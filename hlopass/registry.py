@@ -11,7 +11,7 @@ import importlib
 import os
 from typing import Iterable
 
-from jax._src import source_info_util
+from hlopass import internals as jx
 
 from hlopass.errors import ConfigError
 from hlopass.pass_base import Pass
@@ -40,7 +40,7 @@ def _builtin_table() -> tuple[dict[str, str], tuple[str, ...]]:
     builtin = importlib.import_module("hlopass.passes")
     if builtin.__name__ not in _FRAMES_EXCLUDED:
         # the passes' frames are JAX-internal too: source lines name the user's code
-        source_info_util.register_exclusion(os.path.dirname(os.path.abspath(builtin.__file__)) + os.sep)
+        jx.register_exclusion(os.path.dirname(os.path.abspath(builtin.__file__)) + os.sep)
         _FRAMES_EXCLUDED.add(builtin.__name__)
     return builtin.BUILTIN, builtin.DEFAULT_PIPELINE
 

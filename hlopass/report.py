@@ -6,12 +6,12 @@ import dataclasses
 import os
 from typing import Any
 
-from jax._src import source_info_util
+from hlopass import internals as jx
 
 
 def source_line(eqn) -> str:
     """``file.py:LINE (function)`` of the user code that produced ``eqn``, or ``<unknown>``."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    frame = jx.user_frame(eqn.source_info.traceback)
     if frame is None:
         return "<unknown>"
     return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"

@@ -25,9 +25,7 @@ import re
 from typing import Any, Sequence
 
 import jax
-from jax._src import config as jax_config
-from jax._src import core
-from jax._src import mesh as mesh_lib
+from hlopass import internals as jx
 
 _INPUT_SHARDS: contextvars.ContextVar = contextvars.ContextVar("hlopass_input_shards", default=None)
 _INPUT_SHARDINGS: contextvars.ContextVar = contextvars.ContextVar("hlopass_input_shardings", default=None)
@@ -138,14 +136,14 @@ def operand_shards(ctx, args: Sequence[Any]) -> tuple | None:
     entry function carrying an ``sdy.sharding`` attribute (``None`` for the others); ``None`` when
     no operand is known to be sharded."""
     try:
-        from jax._src.lib.mlir import ir
+        from hlopass import internals as jx
     except ImportError:  # pragma: no cover - jaxlib always ships its MLIR bindings
         return None
     found = []
     for arg, aval in zip(args, ctx.avals_in):
         value = arg[0] if isinstance(arg, (tuple, list)) and len(arg) == 1 else arg
         entry = None
-        if isinstance(value, ir.BlockArgument):
+        if isinstance(value, jx.ir.BlockArgument):
             try:
                 entry = _block_argument_shards(ctx.module_context.module, value, len(getattr(aval, "shape", ())))
             except Exception:  # noqa: BLE001 - unknown attribute forms: treated as not sharded
@@ -177,14 +175,14 @@ def operand_shardings(ctx, args: Sequence[Any]) -> tuple | None:
         if len(devices) < getattr(ctx.module_context.axis_context, "num_devices", 1):
             devices = jax.devices()
     try:
-        from jax._src.lib.mlir import ir
+        from hlopass import internals as jx
     except ImportError:  # pragma: no cover
         return None
     found = []
     for arg, aval in zip(args, ctx.avals_in):
         value = arg[0] if isinstance(arg, (tuple, list)) and len(arg) == 1 else arg
         entry = None
-        if isinstance(value, ir.BlockArgument):
+        if isinstance(value, jx.ir.BlockArgument):
             try:
                 text = _block_argument_sdy(value)
                 entry = None if text is None else _named_sharding(
@@ -201,7 +199,7 @@ def mesh_of(shardings: Sequence[Any] | None):
     a program whose types carry explicit shardings is lowered in it; nothing otherwise."""
     for s in shardings or ():
         mesh = getattr(s, "mesh", None)
-        if mesh is not None and any(t == mesh_lib.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        if mesh is not None and any(t == jx.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
             return jax.set_mesh(mesh)
     return contextlib.nullcontext()
 
@@ -234,7 +232,7 @@ def _named_sharding(text: str, meshes: dict[str, dict[str, int]], rank: int, dev
         spec.append(None if not names else names[0] if len(names) == 1 else tuple(names))
     names = tuple(sizes)
     types = dict(zip(getattr(typed_mesh, "axis_names", ()), getattr(typed_mesh, "axis_types", ())))
-    axis_types = tuple(types.get(n, mesh_lib.AxisType.Auto) for n in names)
+    axis_types = tuple(types.get(n, jx.AxisType.Auto) for n in names)
     grid = np.array(list(devices)[:math.prod(sizes.values())], dtype=object).reshape(tuple(sizes.values()))
     mesh = jax.sharding.Mesh(grid, names, axis_types=axis_types)
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
@@ -280,12 +278,12 @@ def parse_sdy_sharding(text: str, meshes: dict[str, dict[str, int]], rank: int) 
 def _manual_mesh_context(mesh, manual_axes, check_vma: bool | None):
     stack = contextlib.ExitStack()
     all_manual = set(manual_axes) | set(getattr(mesh, "manual_axes", ()))
-    stack.enter_context(core.extend_axis_env_nd([(k, v) for k, v in mesh.shape.items() if k in all_manual]))
+    stack.enter_context(jx.extend_axis_env_nd([(k, v) for k, v in mesh.shape.items() if k in all_manual]))
     abstract = mesh.abstract_mesh if hasattr(mesh, "abstract_mesh") else mesh
-    stack.enter_context(mesh_lib.use_abstract_mesh(
-        abstract.update_axis_types({n: mesh_lib.AxisType.Manual for n in all_manual})))
+    stack.enter_context(jx.use_abstract_mesh(
+        abstract.update_axis_types({n: jx.AxisType.Manual for n in all_manual})))
     if check_vma is not None:
-        stack.enter_context(jax_config._check_vma(check_vma))
+        stack.enter_context(jx.check_vma(check_vma))
     return stack
 
 
@@ -326,12 +324,12 @@ def conform(value, aval):
     """``value`` cast to ``aval``'s varying manual axes (``pcast``) and explicit sharding (``reshard``)."""
     vma = varying_axes(aval)
     if vma:
-        have = varying_axes(core.typeof(value))
+        have = varying_axes(jx.typeof(value))
         missing = tuple(sorted(a for a in vma if a not in have))
         if missing:
             value = jax.lax.pcast(value, missing, to="varying")
     target = getattr(aval, "sharding", None)
-    current = getattr(core.typeof(value), "sharding", None)
+    current = getattr(jx.typeof(value), "sharding", None)
     if _explicit(target):
         if getattr(current, "spec", None) != target.spec or getattr(current, "mesh", None) != target.mesh:
             value = jax.sharding.reshard(value, target)
@@ -344,4 +342,4 @@ def _explicit(sharding) -> bool:
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or getattr(mesh, "empty", True) or getattr(sharding, "spec", None) is None:
         return False
-    return any(t == mesh_lib.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    return any(t == jx.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))

@@ -82,12 +82,12 @@ def _caller_routes(module: str) -> bool:
 def install() -> None:
     """Route ``jax.jit`` (called from test modules and JAX's test utilities) to ``hlopass.jit``."""
     import jax
-    import jax._src.api as api
+    from hlopass import internals as jx
 
     import hlopass
     import hlopass.call
 
-    real_jit = api.jit
+    real_jit = jx.api_module.jit
     threshold = os.environ.get(ENV_THRESHOLD, "1")
     split_size = os.environ.get(ENV_SPLIT, threshold)
 
@@ -101,7 +101,7 @@ def install() -> None:
 
     jit.__wrapped__ = real_jit
     jax.jit = jit
-    api.jit = jit
+    jx.api_module.jit = jit
 
     original = hlopass.call.run_pipeline
 
@@ -135,10 +135,10 @@ class _Routed:
     def __call__(self, *args, **kwargs):
         import jax
         import numpy as np
-        from jax._src import core
+        from hlopass import internals as jx
 
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
-        if any(isinstance(x, core.Tracer) for x in flat):
+        if any(isinstance(x, jx.Tracer) for x in flat):
             return self._fn(*args, **kwargs)         # inside a trace: the enclosing jit sees it
         arrays = [i for i, x in enumerate(flat) if isinstance(x, (np.ndarray, jax.Array)) and x.dtype != object]
         if not arrays:

@@ -31,7 +31,7 @@ import sys
 import warnings
 from typing import Iterable
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import CONTROL_FLOW, ELEMENTWISE, INLINABLE, LOOPS
 from hlopass.inspection.liveness import timeline
@@ -87,20 +87,20 @@ class Level:
 
 # -- building the view ---------------------------------------------------------------------
 
-def _chains(jaxpr: core.Jaxpr) -> dict[int, int]:
+def _chains(jaxpr: jx.Jaxpr) -> dict[int, int]:
     """Map each equation index to the first equation of the elementwise chain it belongs to."""
-    uses: dict[core.Var, int] = {}
+    uses: dict[jx.Var, int] = {}
     for eqn in jaxpr.eqns:
         for atom in eqn.invars:
-            if isinstance(atom, core.Var):
+            if isinstance(atom, jx.Var):
                 uses[atom] = uses.get(atom, 0) + 1
-    outputs = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    outputs = {v for v in jaxpr.outvars if isinstance(v, jx.Var)}
     producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
     head = {i: i for i in range(len(jaxpr.eqns))}
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in ELEMENTWISE:
             continue
-        parents = [producer[a] for a in eqn.invars if isinstance(a, core.Var) and a in producer
+        parents = [producer[a] for a in eqn.invars if isinstance(a, jx.Var) and a in producer
                    and jaxpr.eqns[producer[a]].primitive.name in ELEMENTWISE]
         if len(parents) != 1:
             continue
@@ -121,7 +121,7 @@ def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefi
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     nodes: dict[str, Node] = {}
     edges: dict[tuple[str, str], tuple[str, int]] = {}
-    owner: dict[core.Var, str] = {}
+    owner: dict[jx.Var, str] = {}
     for k, var in enumerate((*jaxpr.constvars, *jaxpr.invars)):
         key = f"{prefix}_in{k}"
         kind = "const" if k < len(jaxpr.constvars) else "input"
@@ -146,7 +146,7 @@ def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefi
             outs = ", ".join(aval_str(v.aval) for v in eqn.outvars)
             node.label = f"{len(chain)} elementwise ops\n{_abbreviate(names)}\n-> {outs}\n{location}"
         for atom in eqn.invars:
-            src = owner.get(atom) if isinstance(atom, core.Var) else None
+            src = owner.get(atom) if isinstance(atom, jx.Var) else None
             if src is not None and src != key:
                 edges[(src, key)] = (aval_str(atom.aval), aval_nbytes(atom.aval))
         for var in eqn.outvars:
@@ -154,7 +154,7 @@ def build_level(jaxpr, title: str, rewritten_at: set[str], depth: int = 0, prefi
     out_key = f"{prefix}_out"
     nodes[out_key] = Node(out_key, "outputs", kind="output")
     for atom in jaxpr.outvars:
-        src = owner.get(atom) if isinstance(atom, core.Var) else None
+        src = owner.get(atom) if isinstance(atom, jx.Var) else None
         if src is not None:
             edges[(src, out_key)] = (aval_str(atom.aval), aval_nbytes(atom.aval))
     return Level(title, nodes, edges)

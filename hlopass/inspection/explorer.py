@@ -121,8 +121,8 @@ def module_nodes(module_text: str, split_loops: list[Rewrite] = ()) -> list[OpNo
     call from ``main``), is that line's ``n``-th rewrite's loop, and every op
     inside it (called functions included) gets it as ``loop``.
     """
-    from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
+    from hlopass import internals as jx
+    from hlopass import internals as jx
 
     pending: dict[str, list[Rewrite]] = {}
     for rewrite in split_loops:
@@ -130,9 +130,9 @@ def module_nodes(module_text: str, split_loops: list[Rewrite] = ()) -> list[OpNo
         if where:
             pending.setdefault(where, []).append(rewrite)
     nodes: list[OpNode] = []
-    with mlir.make_ir_context():
-        module = ir.Module.parse(module_text)
-        functions = {ir.StringAttr(op.attributes["sym_name"]).value: op for op in module.body.operations
+    with jx.make_ir_context():
+        module = jx.ir.Module.parse(module_text)
+        functions = {jx.ir.StringAttr(op.attributes["sym_name"]).value: op for op in module.body.operations
                      if op.operation.name == "func.func"}
         visited: set[str] = set()
 
@@ -159,7 +159,7 @@ def module_nodes(module_text: str, split_loops: list[Rewrite] = ()) -> list[OpNo
                     for child in block.operations:
                         visit_op(child.operation, graph, counter, loop)
             if op.name == "func.call":
-                callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+                callee = jx.ir.FlatSymbolRefAttr(op.attributes["callee"]).value
                 if callee in functions and callee not in visited:
                     visit_function(callee, loop)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.jaxpr_utils import aval_nbytes, aval_str, subjaxprs
 from hlopass.report import source_line
@@ -57,18 +57,18 @@ class Timeline:
 
 
 def _var_bytes(atom) -> int:
-    return aval_nbytes(atom.aval) if isinstance(atom, core.Var) else 0
+    return aval_nbytes(atom.aval) if isinstance(atom, jx.Var) else 0
 
 
-def _last_uses(jaxpr: core.Jaxpr) -> dict[core.Var, int]:
+def _last_uses(jaxpr: jx.Jaxpr) -> dict[jx.Var, int]:
     """For each variable, the index of the last equation reading it (``len(eqns)`` for outputs)."""
-    last: dict[core.Var, int] = {}
+    last: dict[jx.Var, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for atom in eqn.invars:
-            if isinstance(atom, core.Var):
+            if isinstance(atom, jx.Var):
                 last[atom] = i
     for atom in jaxpr.outvars:
-        if isinstance(atom, core.Var):
+        if isinstance(atom, jx.Var):
             last[atom] = len(jaxpr.eqns)
     return last
 
@@ -104,6 +104,6 @@ def timeline(closed) -> Timeline:
                                 outputs=", ".join(aval_str(v.aval) for v in eqn.outvars),
                                 live_bytes=live + out_bytes + inner, inner_bytes=inner))
         live += sum(_var_bytes(v) for v in eqn.outvars if last.get(v, i) > i)
-        freed = {v for v in eqn.invars if isinstance(v, core.Var) and last.get(v) == i and v not in arguments}
+        freed = {v for v in eqn.invars if isinstance(v, jx.Var) and last.get(v) == i and v not in arguments}
         live -= sum(_var_bytes(v) for v in freed)
     return Timeline(points=points, argument_bytes=argument_bytes, output_bytes=output_bytes)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import INLINABLE
 from hlopass.finite import SPLITS_REGIONS, finite_or_written, why_unguarded
@@ -75,7 +75,7 @@ class Candidate:
     """One root equation whose expansion may replace it."""
 
     index: int
-    eqn: core.JaxprEqn
+    eqn: jx.JaxprEqn
     expander: Expander
     expansion: Expansion
     output_labels: tuple
@@ -125,7 +125,7 @@ def same_products(expansion: Expansion, output_labels: tuple) -> bool:
     return all(all(label in {rep.get(lab, lab) for lab in f.labels} for f in m.factors) for label in summed)
 
 
-def finite_guard(closed: core.ClosedJaxpr, c: Candidate, threshold: int | None, splitter: str | None):
+def finite_guard(closed: jx.ClosedJaxpr, c: Candidate, threshold: int | None, splitter: str | None):
     """The written program ``c`` falls back to when its value is not finite (see :mod:`hlopass.finite`),
     or a reason there is none: its products are the written ones, its result is over the threshold
     (a branch around it would hide it from the split pass), or nothing would bound the written
@@ -135,7 +135,7 @@ def finite_guard(closed: core.ClosedJaxpr, c: Candidate, threshold: int | None, 
     given = set(closed.jaxpr.invars) | set(closed.jaxpr.constvars)
     caveat = why_unguarded(c.eqn.outvars[0].aval, c.removed.nbytes, threshold, splitter,
                            [v.aval for v in c.expander.sources],
-                           [v.aval for v in c.expander.sources if isinstance(v, core.Var) and v not in given])
+                           [v.aval for v in c.expander.sources if isinstance(v, jx.Var) and v not in given])
     if caveat:
         return None, caveat
     return written_between(closed, list(c.expander.sources), list(c.eqn.outvars)), None
@@ -161,7 +161,7 @@ def classify(expansion: Expansion, candidate_internal: list[Internal], output_la
     return "expanded_product"
 
 
-def find_candidate(jaxpr: core.Jaxpr, index: int, threshold: int | None, report,
+def find_candidate(jaxpr: jx.Jaxpr, index: int, threshold: int | None, report,
                    products_reordered_by: str | None = None, scope: Scope | None = None,
                    limits: ExpansionLimits = ExpansionLimits()) -> Candidate | None:
     """The candidate rooted at equation ``index``, or ``None`` (recording why when it matters).
@@ -259,19 +259,19 @@ def _producer_name(expander: Expander, var) -> str:
     return found[2].primitive.name if found else "input"
 
 
-def live_vars(jaxpr: core.Jaxpr, replaced: dict[int, list]) -> set:
+def live_vars(jaxpr: jx.Jaxpr, replaced: dict[int, list]) -> set:
     """Variables still needed once the equations in ``replaced`` read only the given inputs."""
-    needed = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    needed = {v for v in jaxpr.outvars if isinstance(v, jx.Var)}
     for i in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[i]
         if not eqn.effects and not any(v in needed for v in eqn.outvars):
             continue
         reads = replaced[i] if i in replaced else eqn.invars
-        needed.update(v for v in reads if isinstance(v, core.Var))
+        needed.update(v for v in reads if isinstance(v, jx.Var))
     return needed
 
 
-def keep_effective(jaxpr: core.Jaxpr, candidates: list[Candidate], report) -> list[Candidate]:
+def keep_effective(jaxpr: jx.Jaxpr, candidates: list[Candidate], report) -> list[Candidate]:
     """Drop candidates whose removed tensor would stay alive (read elsewhere), until none does."""
     accepted = list(candidates)
     while True:
@@ -296,7 +296,7 @@ class AlgebraicPass(Pass):
     name = "algebraic"
     Options = ExpansionLimits
 
-    def run(self, closed: core.ClosedJaxpr, config) -> tuple[core.ClosedJaxpr, PassReport]:
+    def run(self, closed: jx.ClosedJaxpr, config) -> tuple[jx.ClosedJaxpr, PassReport]:
         """Inline calls everywhere, rewrite every level; ``closed`` itself when nothing is rewritten."""
         report = PassReport(self.name)
         try:
@@ -307,7 +307,7 @@ class AlgebraicPass(Pass):
         new = rewrite_nested(flat, lambda level: self.run_level(level, config, report))
         return (new if report.rewrites else closed), report
 
-    def run_level(self, closed: core.ClosedJaxpr, config, report) -> core.ClosedJaxpr:
+    def run_level(self, closed: jx.ClosedJaxpr, config, report) -> jx.ClosedJaxpr:
         jaxpr = closed.jaxpr
         scope = Scope(jaxpr)
         later = self.later_provides(REORDERS_PRODUCTS)
@@ -372,7 +372,7 @@ def _emission_error(c: Candidate) -> str | None:
     return None
 
 
-def inline_calls_everywhere(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def inline_calls_everywhere(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """``closed`` with every call (``pjit``, ``custom_jvp``/``custom_vjp``, ``checkpoint``) replaced by
     its body, at every level (loop and cond bodies too); the same object when there is none.
 
@@ -409,7 +409,7 @@ def _may_save_exactly(eqn, scope: Scope, depth: int = 4) -> bool:
     if eqn.primitive.name == "cond":
         return bool(eqn.params.get("branches_platforms"))
     result = aval_nbytes(eqn.outvars[0].aval)
-    frontier = [a for a in eqn.invars if isinstance(a, core.Var) and aval_nbytes(a.aval) > result]
+    frontier = [a for a in eqn.invars if isinstance(a, jx.Var) and aval_nbytes(a.aval) > result]
     for _ in range(depth):
         following = []
         for atom in frontier:
@@ -420,7 +420,7 @@ def _may_save_exactly(eqn, scope: Scope, depth: int = 4) -> bool:
             if name in EXACT_PRODUCERS:
                 return True
             if name in LOOKED_THROUGH:
-                following.extend(a for a in found[2].invars if isinstance(a, core.Var))
+                following.extend(a for a in found[2].invars if isinstance(a, jx.Var))
         frontier = following
     return False
 
@@ -431,11 +431,11 @@ def _touches_large(eqn, threshold: int | None) -> bool:
     result); the expansion walk itself is linear in the program, which made the pass quadratic."""
     if threshold is None:
         return True
-    values = [v for v in (*eqn.invars, *eqn.outvars) if isinstance(v, core.Var)]
+    values = [v for v in (*eqn.invars, *eqn.outvars) if isinstance(v, jx.Var)]
     return any(aval_nbytes(v.aval) > threshold for v in values)
 
 
-def _location(jaxpr: core.Jaxpr, index: int, expander: Expander) -> str:
+def _location(jaxpr: jx.Jaxpr, index: int, expander: Expander) -> str:
     """The user's source line: the root's, else that of the latest looked-through equation that has one."""
     indices = [index] + sorted((i.eqn_index for i in expander.internal.values()), reverse=True)
     for i in indices:

@@ -63,8 +63,7 @@ import numpy as np
 import opt_einsum
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
-from jax._src.numpy.einsum import _einsum as _jnp_einsum
+from hlopass import internals as jx
 
 from hlopass.einsum_order import einsum_order
 from hlopass.families import dot_general_operand_labels
@@ -284,11 +283,11 @@ def difference_index(factor: Factor) -> int:
 class Scope:
     """One jaxpr level: who defines each variable, and what its inputs are bound to outside."""
 
-    def __init__(self, jaxpr: core.Jaxpr, parent: "Scope | None" = None, bindings=None, consts=()):
+    def __init__(self, jaxpr: jx.Jaxpr, parent: "Scope | None" = None, bindings=None, consts=()):
         self.jaxpr = jaxpr
         self.parent = parent
-        self.bindings: dict[core.Var, tuple[Any, Scope]] = dict(bindings or {})
-        self.producer: dict[core.Var, tuple[int, int]] = {}
+        self.bindings: dict[jx.Var, tuple[Any, Scope]] = dict(bindings or {})
+        self.producer: dict[jx.Var, tuple[int, int]] = {}
         for i, eqn in enumerate(jaxpr.eqns):
             for k, var in enumerate(eqn.outvars):
                 self.producer[var] = (i, k)
@@ -301,25 +300,25 @@ class Scope:
     def resolve(self, atom) -> tuple[Any, "Scope"]:
         """Follow sub-jaxpr inputs out to the atom that feeds them."""
         scope = self
-        while isinstance(atom, core.Var) and atom in scope.bindings:
+        while isinstance(atom, jx.Var) and atom in scope.bindings:
             atom, scope = scope.bindings[atom]
         return atom, scope
 
     def defining(self, atom):
         """``(index, output position, eqn)`` of the equation defining ``atom``, or ``None``."""
-        found = self.producer.get(atom) if isinstance(atom, core.Var) else None
+        found = self.producer.get(atom) if isinstance(atom, jx.Var) else None
         if found is None:
             return None
         return found[0], found[1], self.jaxpr.eqns[found[0]]
 
 
-def _body(eqn: core.JaxprEqn):
+def _body(eqn: jx.JaxprEqn):
     """The sub-jaxpr a call-like equation runs on its inputs (and how many leading inputs it skips)."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         body = eqn.params.get(key)
-        if isinstance(body, core.ClosedJaxpr):
+        if isinstance(body, jx.ClosedJaxpr):
             return body.jaxpr, body.consts
-        if isinstance(body, core.Jaxpr):
+        if isinstance(body, jx.Jaxpr):
             return body, ()
     return None
 
@@ -328,7 +327,7 @@ def _body(eqn: core.JaxprEqn):
 # The expander and its per-primitive rules
 # --------------------------------------------------------------------------------------------
 
-Rule = Callable[["Expander", core.JaxprEqn, Scope, int, tuple], Expansion]
+Rule = Callable[["Expander", jx.JaxprEqn, Scope, int, tuple], Expansion]
 EXPANSION_RULES: dict[str, Rule] = {}
 
 
@@ -345,7 +344,7 @@ def rule(*names: str):
 class Internal:
     """A value the expansion looks through (it disappears if nothing else reads it)."""
 
-    var: core.Var
+    var: jx.Var
     eqn_index: int
     nbytes: int
     primitive: str
@@ -362,13 +361,13 @@ class Expander:
     call's body (inlining the call would show it).
     """
 
-    def __init__(self, jaxpr: core.Jaxpr, top: Scope | None = None, limits: ExpansionLimits = ExpansionLimits()):
+    def __init__(self, jaxpr: jx.Jaxpr, top: Scope | None = None, limits: ExpansionLimits = ExpansionLimits()):
         self.top = top if top is not None else Scope(jaxpr)  # share one Scope across expanders of a level
         self.limits = limits
-        self.sources: list[core.Var] = []
-        self._source_index: dict[core.Var, int] = {}
+        self.sources: list[jx.Var] = []
+        self._source_index: dict[jx.Var, int] = {}
         self.label_sizes: dict[int, int] = {}
-        self.internal: dict[core.Var, Internal] = {}
+        self.internal: dict[jx.Var, Internal] = {}
         self.notes: list[str] = []
         self.differences: list[Difference] = []
         self._difference_index: dict[Difference, int] = {}
@@ -438,7 +437,7 @@ class Expander:
     def expand(self, atom, scope: Scope, labels: tuple) -> Expansion:
         """Expansion of ``atom`` (in ``scope``) with its axes indexed by ``labels``."""
         atom, scope = scope.resolve(atom)
-        if isinstance(atom, core.Literal):
+        if isinstance(atom, jx.Literal):
             return self._literal(atom.val)
         if atom in scope.consts:
             return self._literal(scope.consts[atom])
@@ -667,7 +666,7 @@ def _iota_axis(atom, scope: Scope, shape) -> tuple[int, float] | None:
     if eqn.primitive.name in ("add", "sub"):
         for k in (0, 1):
             other, _ = scope.resolve(eqn.invars[1 - k])
-            if isinstance(other, core.Literal) and np.asarray(other.val).ndim == 0:
+            if isinstance(other, jx.Literal) and np.asarray(other.val).ndim == 0:
                 inner = _iota_axis(eqn.invars[k], scope, shape)
                 if inner is not None and (k == 0 or eqn.primitive.name == "add"):
                     sign = -1.0 if eqn.primitive.name == "sub" else 1.0
@@ -713,7 +712,7 @@ def _enter(ex, eqn, scope, position, labels, body, consts, invars) -> Expansion:
     return ex.expand(body.outvars[position], inner, labels)
 
 
-@rule("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+@rule("pjit", "jit", "closed_call", "core_call", "eval_jaxpr", "custom_jvp_call", "custom_vjp_call",
       "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2")
 def _call(ex, eqn, scope, position, labels):
     found = _body(eqn)
@@ -850,7 +849,7 @@ def einsum(spec: str, operands: list):
     _, contractions = opt_einsum.contract_path(spec, *operands, einsum_call=True, use_blas=True, optimize=path,
                                                shapes=False)
     contractions = tuple((a, frozenset(b), c) for a, b, c, *_ in contractions)
-    return _jnp_einsum(list(operands), contractions, lax.Precision.HIGHEST, None)
+    return jx.jnp_einsum(list(operands), contractions, lax.Precision.HIGHEST, None)
 
 
 def contraction_path(spec: str, shapes) -> list:

@@ -35,7 +35,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE
 from hlopass.jaxpr_utils import call_body
@@ -60,22 +60,22 @@ ZERO_KEEPING = frozenset("""
 """.split())
 
 
-def zero_sensitive_use(jaxpr: core.Jaxpr, var) -> tuple[core.JaxprEqn, str] | None:
+def zero_sensitive_use(jaxpr: jx.Jaxpr, var) -> tuple[jx.JaxprEqn, str] | None:
     """The first equation sensitive to exact zeros that ``var`` reaches through zero-keeping
     operations (into loop, cond and call bodies too, following loop carries), with a description;
     ``None`` if none."""
     return _walk(jaxpr, [var])[0]
 
 
-def _walk(jaxpr: core.Jaxpr, start) -> tuple[tuple | None, set]:
+def _walk(jaxpr: jx.Jaxpr, start) -> tuple[tuple | None, set]:
     """``(first sensitive use or None, the variables of jaxpr that carry the value)``."""
     uses: dict = {}
     for eqn in jaxpr.eqns:
         for k, atom in enumerate(eqn.invars):
-            if isinstance(atom, core.Var):
+            if isinstance(atom, jx.Var):
                 uses.setdefault(atom, []).append((eqn, k))
     tainted: set = set()
-    todo = [v for v in start if isinstance(v, core.Var)]
+    todo = [v for v in start if isinstance(v, jx.Var)]
     while todo:
         var = todo.pop()
         if var in tainted:
@@ -99,7 +99,7 @@ def _walk(jaxpr: core.Jaxpr, start) -> tuple[tuple | None, set]:
     return None, tainted
 
 
-def _carried(body: core.Jaxpr, start: set, carry_in, carry_out) -> tuple[tuple | None, set]:
+def _carried(body: jx.Jaxpr, start: set, carry_in, carry_out) -> tuple[tuple | None, set]:
     """Walk a loop body to a fixpoint: an output carry that carries the value is an input carry of
     the next step. ``carry_in(c)``/``carry_out(c)``: body input/output position of carry ``c``."""
     start = set(start)
@@ -133,7 +133,7 @@ def _through(eqn, k: int) -> tuple[tuple | None, list[int]]:
         return None, sorted(outputs)
     elif name == "scan":
         body = _open(eqn.params["jaxpr"])
-        consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, n_carry = jx.scan_num_consts(eqn.params), jx.scan_num_carry(eqn.params)
         hit, tainted = _carried(body, {k}, lambda c: consts + c, lambda c: c if c < n_carry else None)
         return hit, [i for i, v in enumerate(body.outvars) if v in tainted]
     elif name == "while":
@@ -153,15 +153,15 @@ def _through(eqn, k: int) -> tuple[tuple | None, list[int]]:
     return (eqn, f"a {name} (a sub-program the pass does not follow)"), []
 
 
-def _open(body) -> core.Jaxpr:
-    return body.jaxpr if isinstance(body, core.ClosedJaxpr) else body
+def _open(body) -> jx.Jaxpr:
+    return body.jaxpr if isinstance(body, jx.ClosedJaxpr) else body
 
 
 def _sub_jaxprs(eqn):
     for value in eqn.params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for item in items:
-            if isinstance(item, (core.ClosedJaxpr, core.Jaxpr)):
+            if isinstance(item, (jx.ClosedJaxpr, jx.Jaxpr)):
                 yield item
 
 

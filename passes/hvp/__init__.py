@@ -34,7 +34,7 @@ cannot be told apart from a same-typed input (both reported as skips).
 
 from __future__ import annotations
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
@@ -49,7 +49,7 @@ class HvpPass(Pass):
     name = "hvp"
     recursive = False
 
-    def run_level(self, closed: core.ClosedJaxpr, config, report: PassReport) -> core.ClosedJaxpr:
+    def run_level(self, closed: jx.ClosedJaxpr, config, report: PassReport) -> jx.ClosedJaxpr:
         """Nothing: the replacements were made while tracing or before linearising, and their notes
         are this pass's report."""
         return closed

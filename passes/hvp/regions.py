@@ -51,8 +51,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
+from hlopass import internals as jx
 from jax.custom_derivatives import SymbolicZero
 
 from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
@@ -94,10 +93,10 @@ class GradRegion:
 
 def _constant(eqn) -> bool:
     """Reads no variables (zeros and iotas JAX emits between transformed equations)."""
-    return not any(isinstance(a, core.Var) for a in eqn.invars) and not eqn.effects
+    return not any(isinstance(a, jx.Var) for a in eqn.invars) and not eqn.effects
 
 
-def find_regions(jaxpr: core.Jaxpr) -> list[GradRegion]:
+def find_regions(jaxpr: jx.Jaxpr) -> list[GradRegion]:
     """Runs of forward equations immediately followed by runs of backward equations.
 
     Constant equations (no inputs) between them are taken into the run.
@@ -144,17 +143,17 @@ class RegionPlan:
     """What replacing one region needs: its inputs, outputs and the parameter each gradient belongs to."""
 
     region: GradRegion
-    inputs: list[core.Var]
-    grads: list[core.Var]
+    inputs: list[jx.Var]
+    grads: list[jx.Var]
     params: list[int]  # for each gradient, the index of its parameter in ``inputs``
-    value: core.Var | None  # the loss value, when the program uses it
-    loss: core.Var | None  # the loss value var (used or not), if the region provably derives from it
-    extras: list[core.Var]  # other values of the inner forward pass used outside (aux outputs)
+    value: jx.Var | None  # the loss value, when the program uses it
+    loss: jx.Var | None  # the loss value var (used or not), if the region provably derives from it
+    extras: list[jx.Var]  # other values of the inner forward pass used outside (aux outputs)
     location: str
     symmetric: bool = True  # whether the Hessian products may be taken forward-over-reverse
 
 
-def plan_region(jaxpr: core.Jaxpr, region: GradRegion) -> RegionPlan | str:
+def plan_region(jaxpr: jx.Jaxpr, region: GradRegion) -> RegionPlan | str:
     """A :class:`RegionPlan`, or the reason the region is left alone."""
     eqns = [jaxpr.eqns[i] for i in region.eqns]
     if any(eqn.effects for eqn in eqns):
@@ -162,18 +161,18 @@ def plan_region(jaxpr: core.Jaxpr, region: GradRegion) -> RegionPlan | str:
     if not forward_differentiable(eqns):
         return "the region calls a custom_vjp function, which forward mode cannot differentiate"
     inside = set(region.eqns)
-    defined = {v for eqn in eqns for v in eqn.outvars if not isinstance(v, core.DropVar)}
-    inputs: list[core.Var] = []
+    defined = {v for eqn in eqns for v in eqn.outvars if not isinstance(v, jx.DropVar)}
+    inputs: list[jx.Var] = []
     for eqn in eqns:
         for atom in eqn.invars:
-            if isinstance(atom, core.Var) and atom not in defined and atom not in inputs:
+            if isinstance(atom, jx.Var) and atom not in defined and atom not in inputs:
                 inputs.append(atom)
     read_outside = {a for i, eqn in enumerate(jaxpr.eqns) if i not in inside
-                    for a in eqn.invars if isinstance(a, core.Var)} | {
-                        v for v in jaxpr.outvars if isinstance(v, core.Var)}
-    read_inside = {a for eqn in eqns for a in eqn.invars if isinstance(a, core.Var)}
-    forward_defined = [v for i in region.forward for v in jaxpr.eqns[i].outvars if not isinstance(v, core.DropVar)]
-    backward_defined = [v for i in region.backward for v in jaxpr.eqns[i].outvars if not isinstance(v, core.DropVar)]
+                    for a in eqn.invars if isinstance(a, jx.Var)} | {
+                        v for v in jaxpr.outvars if isinstance(v, jx.Var)}
+    read_inside = {a for eqn in eqns for a in eqn.invars if isinstance(a, jx.Var)}
+    forward_defined = [v for i in region.forward for v in jaxpr.eqns[i].outvars if not isinstance(v, jx.DropVar)]
+    backward_defined = [v for i in region.backward for v in jaxpr.eqns[i].outvars if not isinstance(v, jx.DropVar)]
     grads = [v for v in backward_defined if v in read_outside]
     if not grads:
         return "the gradient is not used"
@@ -268,20 +267,20 @@ def _matching_derivations(jaxpr, region: GradRegion, inputs, loss, candidates: l
 def _inputs_read_by(jaxpr, forward: list[int], loss, inputs) -> set:
     """The region inputs that the loss value depends on."""
     sub = _jaxpr([jaxpr.eqns[i] for i in forward], inputs, [loss])
-    _, used = pe.dce_jaxpr(sub, [True])
+    _, used = jx.dce_jaxpr(sub, [True])
     return {v for v, u in zip(inputs, used) if u}
 
 
-def _jaxpr(eqns, inputs, outputs) -> core.Jaxpr:
-    debug = core.DebugInfo("hvp region", "<hvp region>", None, None)
-    return core.Jaxpr([], list(inputs), list(outputs), list(eqns), debug_info=debug)
+def _jaxpr(eqns, inputs, outputs) -> jx.Jaxpr:
+    debug = jx.DebugInfo("hvp region", "<hvp region>", None, None)
+    return jx.Jaxpr([], list(inputs), list(outputs), list(eqns), debug_info=debug)
 
 
-def _as_function(eqns: Sequence[core.JaxprEqn], inputs: Sequence[core.Var], outputs: Sequence[core.Var]) -> Callable:
+def _as_function(eqns: Sequence[jx.JaxprEqn], inputs: Sequence[jx.Var], outputs: Sequence[jx.Var]) -> Callable:
     """Evaluate ``eqns`` (only those the outputs need) as a function of ``inputs``."""
     sub = _jaxpr(eqns, inputs, outputs)
-    sub, _ = pe.dce_jaxpr(sub, [True] * len(outputs), instantiate=True)
-    return lambda *args: core.eval_jaxpr(sub, [], *args)
+    sub, _ = jx.dce_jaxpr(sub, [True] * len(outputs), instantiate=True)
+    return lambda *args: jx.eval_jaxpr(sub, [], *args)
 
 
 def _loss_function(jaxpr, plan: RegionPlan) -> Callable | None:
@@ -314,7 +313,7 @@ def fwdrev_region(region_fn: Callable, loss_fn: Callable | None, extras_fn: Call
 
     def fwd(*primals):
         values = [p.value for p in primals]
-        perturbed = [p.perturbed and _float_aval(core.typeof(v)) for p, v in zip(primals, values)]
+        perturbed = [p.perturbed and _float_aval(jx.typeof(v)) for p, v in zip(primals, values)]
         outs = tuple(region_fn(*values))
         return outs, (values, perturbed, outs)
 
@@ -424,7 +423,7 @@ def _extras_cotangents(extras_fn, values, perturbed, ct_extras, extras) -> dict:
     return dict(zip(wanted, pullback(cts)))
 
 
-def _replacement(jaxpr: core.Jaxpr, plan: RegionPlan) -> Replacement:
+def _replacement(jaxpr: jx.Jaxpr, plan: RegionPlan) -> Replacement:
     outputs = [*plan.grads, *([plan.value] if plan.value is not None else []), *plan.extras]
     region_eqns = [jaxpr.eqns[i] for i in plan.region.eqns]
     region_fn = _as_function(region_eqns, plan.inputs, outputs)
@@ -441,7 +440,7 @@ def _replacement(jaxpr: core.Jaxpr, plan: RegionPlan) -> Replacement:
     return Replacement(plan.region.eqns, plan.inputs, outputs, build, anchor=plan.region.forward[0])
 
 
-def rewrite_level(closed: core.ClosedJaxpr, notes: list[Note]) -> core.ClosedJaxpr:
+def rewrite_level(closed: jx.ClosedJaxpr, notes: list[Note]) -> jx.ClosedJaxpr:
     """Replace every inner-gradient region of one jaxpr level (the same object if there is none).
 
     Appends a note for each region, replaced or left alone.
@@ -472,14 +471,14 @@ def rewrite_level(closed: core.ClosedJaxpr, notes: list[Note]) -> core.ClosedJax
     return rewrite(flat, replacements, name="hvp")
 
 
-def _bodies_not_differentiated(closed: core.ClosedJaxpr) -> set[int]:
+def _bodies_not_differentiated(closed: jx.ClosedJaxpr) -> set[int]:
     """``id`` of every jaxpr (at any depth) inside a ``custom_jvp``/``custom_vjp`` body or a nested
     ``hlopass_call``: JAX differentiates the former by their rules, never their bodies (so a gradient
     there is never differentiated again), and the latter by their own linearisation, which runs
     this hook on them with their own notes."""
     found: set[int] = set()
 
-    def mark(jaxpr: core.Jaxpr) -> None:
+    def mark(jaxpr: jx.Jaxpr) -> None:
         found.add(id(jaxpr))
         for eqn in jaxpr.eqns:
             for sub in subjaxprs(eqn):
@@ -492,7 +491,7 @@ def _bodies_not_differentiated(closed: core.ClosedJaxpr) -> set[int]:
     return found
 
 
-def linearize_hook(jaxpr: core.ClosedJaxpr, config=None, notes: list[Note] | None = None) -> core.ClosedJaxpr:
+def linearize_hook(jaxpr: jx.ClosedJaxpr, config=None, notes: list[Note] | None = None) -> jx.ClosedJaxpr:
     """Before JAX linearises a ``hlopass_call``: give its inner gradients forward-over-reverse VJPs.
 
     Returns ``jaxpr`` itself when it has no inner gradient; what was replaced
@@ -505,7 +504,7 @@ def linearize_hook(jaxpr: core.ClosedJaxpr, config=None, notes: list[Note] | Non
         return jaxpr
     skipped = _bodies_not_differentiated(jaxpr)
 
-    def level(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    def level(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
         return closed if id(closed.jaxpr) in skipped else rewrite_level(closed, notes)
 
     with own_derivatives():  # the analysis's own jax.grad calls are not the user's

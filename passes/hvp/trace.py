@@ -48,8 +48,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src import api as jax_api
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass import report
 from hlopass.report import Note
@@ -126,7 +125,7 @@ def _forward_barrier(fun: Callable) -> Callable:
 
 
 def _has_tracer(tree) -> bool:
-    return any(isinstance(leaf, core.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
+    return any(isinstance(leaf, jx.Tracer) for leaf in jax.tree_util.tree_leaves(tree))
 
 
 def _describe_function(fun: Callable) -> str:
@@ -233,11 +232,11 @@ def _forward_barrier_of(original: Callable) -> Callable:
 #: ``value_and_grad`` and ``jacrev`` call through their module's global),
 #: and the forward-mode entry points, which reset the depth.
 def _targets():
-    return [(jax_api, "vjp"), (jax, "vjp"), (jax_api, "_jvp"), (jax_api, "linearize"), (jax, "linearize")]
+    return [(jx.api_module, "vjp"), (jax, "vjp"), (jx.api_module, "_jvp"), (jx.api_module, "linearize"), (jax, "linearize")]
 
 
 def _install() -> None:
-    _originals["vjp"] = jax_api.vjp
+    _originals["vjp"] = jx.api_module.vjp
     for module, name in _targets():
         _saved.append((module, name, getattr(module, name)))
         if name == "vjp":

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 
 import numpy as np
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.config import DEFAULT_MIN_GAIN, Config
 from hlopass.finite import SPLITS_REGIONS, finite_or_written, why_unguarded
@@ -70,7 +70,7 @@ class MatrixChainPass(Pass):
     provides = frozenset({"reorder_products"})
     Options = ChainOptions
 
-    def run_level(self, closed: core.ClosedJaxpr, config: Config, report: PassReport) -> core.ClosedJaxpr:
+    def run_level(self, closed: jx.ClosedJaxpr, config: Config, report: PassReport) -> jx.ClosedJaxpr:
         live = dce(closed)  # dead readers would otherwise make products look shared
         if len(live.jaxpr.eqns) == len(closed.jaxpr.eqns):
             live = closed
@@ -112,7 +112,7 @@ class MatrixChainPass(Pass):
             given = set(live.jaxpr.invars) | set(live.jaxpr.constvars)
             caveat = why_unguarded(root.outvars[0].aval, plan.peak_before, config.threshold, splitter,
                                    [a.aval for a in network.atoms],
-                                   [a.aval for a in network.atoms if isinstance(a, core.Var) and a not in given])
+                                   [a.aval for a in network.atoms if isinstance(a, jx.Var) and a not in given])
             if caveat is None:
                 try:
                     build = functools.partial(_guarded, build, written_between(live, network.atoms, [root.outvars[0]]))

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import opt_einsum
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.einsum_order import cheapest_order
 from hlopass.families import dot_general_operand_labels
@@ -136,7 +136,7 @@ def promote(a, b) -> np.dtype:
         return np.dtype(jax.numpy.promote_types(a, b))
 
 
-def is_link(eqn: core.JaxprEqn) -> bool:
+def is_link(eqn: jx.JaxprEqn) -> bool:
     """Whether ``eqn`` may sit inside a chain: a floating (or complex) contraction, transpose,
     sum, or a conversion that loses nothing."""
     name = eqn.primitive.name
@@ -205,7 +205,7 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
         if not is_link(eqn):
             continue
         for atom in eqn.invars:
-            if isinstance(atom, core.Var) and (_joins_consumer(graph, atom, i) or atom in inline):
+            if isinstance(atom, jx.Var) and (_joins_consumer(graph, atom, i) or atom in inline):
                 absorbed[atom] = graph.producer[atom]
     networks, charged = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
@@ -278,7 +278,7 @@ def _cached_optimal_multiply_adds(subscripts: str, sizes: tuple, search_limit: i
 
 
 def _joins_consumer(graph, atom, consumer: int) -> bool:
-    if not isinstance(atom, core.Var) or atom not in graph.producer:
+    if not isinstance(atom, jx.Var) or atom not in graph.producer:
         return False
     producer = graph.eqn(graph.producer[atom])
     return is_link(producer) and graph.uses(atom) == [consumer] and not graph.is_output(atom)
@@ -292,7 +292,7 @@ class _NetworkBuilder:
     recomputed in several chains was computed once as written.
     """
 
-    def __init__(self, jaxpr: core.Jaxpr, absorbed: dict, inline=frozenset(), charged: set | None = None):
+    def __init__(self, jaxpr: jx.Jaxpr, absorbed: dict, inline=frozenset(), charged: set | None = None):
         self.jaxpr = jaxpr
         self.absorbed = absorbed
         self.inline = inline
@@ -334,7 +334,7 @@ class _NetworkBuilder:
 
     def visit(self, atom, labels: Sequence[Label]) -> str:
         """Describe ``atom`` (with ``labels`` on its axes); returns the expression as written."""
-        if isinstance(atom, core.Var) and atom in self.absorbed:
+        if isinstance(atom, jx.Var) and atom in self.absorbed:
             self.peak_bytes = max(self.peak_bytes, aval_nbytes(atom.aval))
             shared = atom in self.inline
             self.shared_depth += shared

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.jaxpr_utils import dce
@@ -83,7 +83,7 @@ class RematPass(Pass):
     Options = RematOptions
     provides = frozenset({"rematerialize"})
 
-    def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+    def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         limit = config.memory_limit
         if limit is None or not keeps_residuals(closed) or upper_bound(closed) <= limit:
             return closed, PassReport(self.name)
@@ -96,7 +96,7 @@ class RematPass(Pass):
         copy = PassReport(report.name, list(report.rewrites), list(report.skipped), report.seconds)
         return (closed if new is None else new), copy
 
-    def _run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr | None, PassReport]:
+    def _run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr | None, PassReport]:
         """:meth:`run` past the cheap checks; ``None`` for "unchanged"."""
         report = PassReport(self.name)
         limit = config.memory_limit
@@ -137,7 +137,7 @@ class RematPass(Pass):
             return None, report
         return outcome.chosen.jaxpr, report
 
-    def before_linearize(self, closed: core.ClosedJaxpr, config: Config, notes: list[Note]) -> core.ClosedJaxpr:
+    def before_linearize(self, closed: jx.ClosedJaxpr, config: Config, notes: list[Note]) -> jx.ClosedJaxpr:
         """For ``jax.grad`` of a hlopass function: choose what the forward call keeps before JAX
         linearises it (see :mod:`.primal`)."""
         if config.memory_limit is None:
@@ -160,6 +160,6 @@ class RematPass(Pass):
 _done: dict = {}
 
 
-def structure(closed: core.ClosedJaxpr) -> tuple:
+def structure(closed: jx.ClosedJaxpr) -> tuple:
     """A key equal for jaxprs that print the same, dead code aside, and share their constants."""
     return str(dce(closed).jaxpr), tuple(id(c) for c in closed.consts)

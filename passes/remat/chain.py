@@ -30,7 +30,7 @@ import math
 from typing import Sequence
 
 import numpy as np
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import ELEMENTWISE
 from hlopass.jaxpr_utils import aval_nbytes
@@ -55,12 +55,12 @@ def keeps_residuals(closed) -> bool:
     if not any(backward):
         return False
     forward_values = {v for e, b in zip(eqns, backward) if not b for v in e.outvars}
-    return any(isinstance(a, core.Var) and a in forward_values for e, b in zip(eqns, backward) if b
+    return any(isinstance(a, jx.Var) and a in forward_values for e, b in zip(eqns, backward) if b
                for a in e.invars)
 
 
 def _vars(atoms) -> list:
-    return [a for a in atoms if isinstance(a, core.Var)]
+    return [a for a in atoms if isinstance(a, jx.Var)]
 
 
 def _bytes(vs) -> int:
@@ -87,7 +87,7 @@ class ScanPair:
     def chain(self, jaxpr, machine: Rates, group: int = 1) -> Chain:
         """The scan's steps as a uniform chain (``group`` steps per stage)."""
         eqn = jaxpr.eqns[self.forward]
-        n, ncon, ncar = eqn.params["length"], eqn.params["num_consts"], eqn.params["num_carry"]
+        n, ncon, ncar = eqn.params["length"], jx.scan_num_consts(eqn.params), jx.scan_num_carry(eqn.params)
         ys = eqn.outvars[ncar:]
         step_res = sum(aval_nbytes(ys[k].aval) for k in self.residual_ys) // max(n, 1)
         carry = _bytes(_vars(eqn.invars[ncon:ncon + ncar])) or _bytes(eqn.outvars[:ncar])
@@ -101,7 +101,7 @@ class ScanPair:
 
     def store_all_bytes(self, jaxpr) -> int:
         eqn = jaxpr.eqns[self.forward]
-        ys = eqn.outvars[eqn.params["num_carry"]:]
+        ys = eqn.outvars[jx.scan_num_carry(eqn.params):]
         return sum(aval_nbytes(ys[k].aval) for k in self.residual_ys)
 
 
@@ -112,8 +112,8 @@ class FlatChain:
     ``b``; ``residuals[l]`` the residuals stage ``l`` defines; ``chain`` their costs."""
 
     stages: list[list[int]]
-    cuts: list[list[core.Var]]
-    residuals: list[list[core.Var]]
+    cuts: list[list[jx.Var]]
+    residuals: list[list[jx.Var]]
     chain: Chain
     owner: dict                    # residual var -> stage
     derived: dict = dataclasses.field(default_factory=dict)   # residual var -> equation index (see derived_residuals)
@@ -126,7 +126,7 @@ class FlatChain:
 class Analysis:
     """What :func:`analyse` found in a differentiated program."""
 
-    closed: core.ClosedJaxpr
+    closed: jx.ClosedJaxpr
     backward: list[bool]
     residuals: set                 # flat residuals (scan pairs' stacked ones excluded)
     pairs: list[ScanPair]
@@ -139,7 +139,7 @@ class Analysis:
         return total + sum(p.store_all_bytes(self.closed.jaxpr) for p in self.pairs)
 
 
-def analyse(closed: core.ClosedJaxpr, machine: Rates, *, max_stages: int = 64) -> Analysis | None:
+def analyse(closed: jx.ClosedJaxpr, machine: Rates, *, max_stages: int = 64) -> Analysis | None:
     """The residuals, scan pairs and forward chain of a differentiated program, or ``None`` when
     it has no backward pass (no equation from JAX's transposition)."""
     jaxpr = closed.jaxpr
@@ -154,17 +154,17 @@ def analyse(closed: core.ClosedJaxpr, machine: Rates, *, max_stages: int = 64) -
     readers: dict = {}
     for i, eqn in enumerate(eqns):
         for pos, v in enumerate(eqn.invars):
-            if isinstance(v, core.Var):
+            if isinstance(v, jx.Var):
                 readers.setdefault(v, []).append((i, pos))
     first_backward = backward.index(True)
-    outputs = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+    outputs = {v for v in jaxpr.outvars if isinstance(v, jx.Var)}
 
     candidates = {v for i, eqn in enumerate(eqns) if backward[i] for v in _vars(eqn.invars)
                   if v in producer and not backward[producer[v]]}
     pinned = {v for v in candidates if v in outputs or any(
         not backward[i] and i > first_backward for i, _ in readers.get(v, ()))}
     pairs = _scan_pairs(eqns, backward, producer, readers, candidates - pinned)
-    paired = {eqns[p.forward].outvars[eqns[p.forward].params["num_carry"] + k]
+    paired = {eqns[p.forward].outvars[jx.scan_num_carry(eqns[p.forward].params) + k]
               for p in pairs for k in p.residual_ys}
     residuals = candidates - pinned - paired
 
@@ -179,10 +179,10 @@ def _scan_pairs(eqns, backward, producer, readers, residuals) -> list[ScanPair]:
     for b, eqn in enumerate(eqns):
         if not backward[b] or eqn.primitive.name != "scan":
             continue
-        ncon, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+        ncon, ncar = jx.scan_num_consts(eqn.params), jx.scan_num_carry(eqn.params)
         found: dict[int, dict[int, list[int]]] = {}
         for pos, v in enumerate(eqn.invars[ncon + ncar:]):
-            if not isinstance(v, core.Var) or v not in residuals:
+            if not isinstance(v, jx.Var) or v not in residuals:
                 continue
             f = producer[v]
             fwd = eqns[f]
@@ -191,7 +191,7 @@ def _scan_pairs(eqns, backward, producer, readers, residuals) -> list[ScanPair]:
                 continue
             if any(i != b or p < ncon + ncar for i, p in readers[v]):
                 continue   # read elsewhere too (or as a constant): dropping it would free nothing
-            fncar = fwd.params["num_carry"]
+            fncar = jx.scan_num_carry(fwd.params)
             y = fwd.outvars.index(v) - fncar
             if y < 0:
                 continue
@@ -295,9 +295,9 @@ def derived_residuals(eqns: Sequence, residuals: set) -> dict:
     for q, eqn in enumerate(eqns):
         if len(eqn.outvars) != 1 or eqn.outvars[0] not in residuals or not _cheap(eqn):
             continue
-        if all(not isinstance(a, core.Var) or a not in position or a in residuals for a in eqn.invars):
+        if all(not isinstance(a, jx.Var) or a not in position or a in residuals for a in eqn.invars):
             out[eqn.outvars[0]] = q
-    return {v: q for v, q in out.items() if not any(a in out for a in eqns[q].invars if isinstance(a, core.Var))}
+    return {v: q for v, q in out.items() if not any(a in out for a in eqns[q].invars if isinstance(a, jx.Var))}
 
 
 def _select_boundaries(cut_bytes, seconds, max_stages: int, other_bytes=None) -> list[int]:

@@ -21,7 +21,7 @@ import functools
 import math
 import time
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import ELEMENTWISE, INLINABLE
 from hlopass.jaxpr_utils import aval_nbytes, call_body
@@ -70,7 +70,7 @@ def _conv_flops(eqn) -> float:
 
 
 def _io_bytes(eqn) -> float:
-    return float(sum(aval_nbytes(v.aval) for v in eqn.invars if isinstance(v, core.Var))
+    return float(sum(aval_nbytes(v.aval) for v in eqn.invars if isinstance(v, jx.Var))
                  + sum(aval_nbytes(v.aval) for v in eqn.outvars))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import ChainMap
 from typing import Sequence
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.interpreter import bind_equation
 from hlopass.jaxpr_utils import dce, trace_flat
@@ -34,7 +34,7 @@ from .schedule import Block, Stored
 
 
 def _read(env, atom):
-    return atom.val if isinstance(atom, core.Literal) else env[atom]
+    return atom.val if isinstance(atom, jx.Literal) else env[atom]
 
 
 def _items_containing(items, stage):
@@ -49,7 +49,7 @@ def _items_containing(items, stage):
 class FlatRecompute:
     """Recomputed values of a flat chain, made when first read (see the module docstring)."""
 
-    def __init__(self, jaxpr: core.Jaxpr, flat: FlatChain, items: Sequence, env: dict, inputs: dict):
+    def __init__(self, jaxpr: jx.Jaxpr, flat: FlatChain, items: Sequence, env: dict, inputs: dict):
         self.jaxpr = jaxpr
         self.flat = flat
         self.items = tuple(items)
@@ -66,7 +66,7 @@ class FlatRecompute:
         if var in self.flat.derived and var not in self._stored:
             if var not in self.derived_values:
                 eqn = self.jaxpr.eqns[self.flat.derived[var]]
-                ins = [self.value(a, trigger) if isinstance(a, core.Var) and a in self.flat.owner
+                ins = [self.value(a, trigger) if isinstance(a, jx.Var) and a in self.flat.owner
                        else _read(self.env, a) for a in eqn.invars]
                 self.derived_values[var] = bind_equation(eqn, ins)[0]
             return self.derived_values[var]
@@ -106,7 +106,7 @@ class FlatRecompute:
             eqn = self.jaxpr.eqns[q]
             if any(v in needed for v in eqn.outvars):
                 used.append(eqn)
-                needed.update(v for v in eqn.invars if isinstance(v, core.Var))
+                needed.update(v for v in eqn.invars if isinstance(v, jx.Var))
         used.reverse()
         inputs = self.inputs
 
@@ -122,14 +122,14 @@ class FlatRecompute:
         return self.cache[key]
 
 
-def emit(analysis: Analysis, flat_items: Sequence | None, scan_plans: dict[int, list]) -> core.ClosedJaxpr:
+def emit(analysis: Analysis, flat_items: Sequence | None, scan_plans: dict[int, list]) -> jx.ClosedJaxpr:
     """The program of ``analysis`` re-traced under the flat chain's schedule ``flat_items`` (or
     ``None``) and the scan pairs' segment plans (``scan_plans``: forward-scan index -> segments)."""
     closed = analysis.closed
     jaxpr = closed.jaxpr
     plans: dict[int, PairPlan] = {}
-    used = {a for e in jaxpr.eqns for a in e.invars if isinstance(a, core.Var)}
-    used.update(v for v in jaxpr.outvars if isinstance(v, core.Var))
+    used = {a for e in jaxpr.eqns for a in e.invars if isinstance(a, jx.Var)}
+    used.update(v for v in jaxpr.outvars if isinstance(v, jx.Var))
     for pair in analysis.pairs:
         if pair.forward in scan_plans:
             plan = PairPlan(pair.residual_ys, pair.backward_xs, scan_plans[pair.forward], used)
@@ -149,11 +149,11 @@ def emit(analysis: Analysis, flat_items: Sequence | None, scan_plans: dict[int, 
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [_read(env, a) for a in eqn.invars]
             if analysis.backward[i]:
-                if flat is not None and any(isinstance(a, core.Var) and a in analysis.residuals
+                if flat is not None and any(isinstance(a, jx.Var) and a in analysis.residuals
                                             for a in eqn.invars):
-                    own = [v for a, v in zip(eqn.invars, invals) if isinstance(a, core.Var) and a in produced_backward]
+                    own = [v for a, v in zip(eqn.invars, invals) if isinstance(a, jx.Var) and a in produced_backward]
                     trigger = first_scalar(own + ([last] if last is not None else []))
-                    invals = [flat.value(a, trigger) if isinstance(a, core.Var) and a in analysis.residuals
+                    invals = [flat.value(a, trigger) if isinstance(a, jx.Var) and a in analysis.residuals
                               else v for a, v in zip(eqn.invars, invals)]
             if i in plans and i not in backward_of:
                 outs = plans[i].forward(eqn, invals)

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.jaxpr_utils import aval_nbytes, iter_eqns
 from hlopass.memory import measure
@@ -146,7 +146,7 @@ class Attempt:
     """One emitted program: its plan, XLA's footprint, and the footprint predicted before compiling."""
 
     plan: Plan
-    jaxpr: core.ClosedJaxpr
+    jaxpr: jx.ClosedJaxpr
     footprint: int
     predicted: int
 
@@ -162,8 +162,8 @@ class Outcome:
     base: int
 
 
-def closed_loop(problems: Sequence[Problem], emit: Callable[[Plan], core.ClosedJaxpr],
-                measure: Callable[[core.ClosedJaxpr], int], footprint0: int, limit: int, *,
+def closed_loop(problems: Sequence[Problem], emit: Callable[[Plan], jx.ClosedJaxpr],
+                measure: Callable[[jx.ClosedJaxpr], int], footprint0: int, limit: int, *,
                 max_rounds: int = 6, slack: float = 0.15) -> Outcome:
     """Run the loop of the module docstring; ``slack``: stop once a fitting program is within this
     fraction of the limit."""
@@ -237,13 +237,13 @@ def _slope(points: list[tuple[float, int]], kept: int) -> float:
     return float(max(kept, 1))
 
 
-def upper_bound(closed: core.ClosedJaxpr) -> int:
+def upper_bound(closed: jx.ClosedJaxpr) -> int:
     """Bytes of every value the program defines (loop bodies once) plus its inputs: XLA cannot need more."""
     values = sum(aval_nbytes(v.aval) for eqn in iter_eqns(closed) for v in eqn.outvars)
     return values + sum(aval_nbytes(a) for a in closed.in_avals)
 
 
-def footprint(closed: core.ClosedJaxpr) -> int:
+def footprint(closed: jx.ClosedJaxpr) -> int:
     """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own."""
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
+    return measure(jax.jit(jx.jaxpr_as_fun(closed)).lower(*args).compile()).footprint

@@ -30,8 +30,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad
+from hlopass import internals as jx
 
 from hlopass.interpreter import bind_equation, inline_calls
 from hlopass.jaxpr_utils import aval_nbytes, dce, subjaxprs, trace_flat
@@ -50,7 +49,7 @@ def _inexact(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def vjp_program(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def vjp_program(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """``(primals, cotangents) -> (outputs, gradients)``: the gradient of ``closed`` with respect to its
     floating-point inputs, for its floating-point outputs, as one program."""
     ins, outs = closed.in_avals, closed.out_avals
@@ -64,7 +63,7 @@ def vjp_program(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
             full = list(primals)
             for i, v in zip(diff, d):
                 full[i] = v
-            values = core.jaxpr_as_fun(closed)(*full)
+            values = jx.jaxpr_as_fun(closed)(*full)
             return [values[j] for j in float_outs]
         values, pullback = jax.vjp(f, *[primals[i] for i in diff])
         return [*values, *pullback(list(cts))]
@@ -72,14 +71,14 @@ def vjp_program(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
     return trace_flat(program, [*ins, *[outs[j] for j in float_outs]], "vjp")
 
 
-def backward_program(closed: core.ClosedJaxpr, threshold: int | None) -> core.ClosedJaxpr:
+def backward_program(closed: jx.ClosedJaxpr, threshold: int | None) -> jx.ClosedJaxpr:
     """The program JAX's split of ``jax.grad`` of a hlopass function runs second:
     ``(residuals, cotangents) -> gradients``, as ``hlopass.call`` builds it (its residuals are
     arguments, as when it runs on its own). When a residual is over ``threshold``, ``hlopass.call``
     linearises under ``jax.checkpoint`` and the second program recomputes the forward pass: then
     the whole gradient, :func:`vjp_program`."""
     nzs = [_inexact(a) for a in closed.in_avals]
-    primal, num_res, _, in_fwd, tangent = ad.linearize_jaxpr(closed, nzs, is_vjp=True)
+    primal, num_res, _, in_fwd, tangent = jx.linearize_jaxpr(closed, nzs, is_vjp=True)
     residuals = primal.out_avals[len(primal.out_avals) - num_res:]
     if threshold is not None and any(aval_nbytes(a) > threshold for a in residuals):
         return vjp_program(closed)
@@ -89,26 +88,26 @@ def backward_program(closed: core.ClosedJaxpr, threshold: int | None) -> core.Cl
 
     def backward(*args):
         res, cts = args[:n_res], args[n_res:]
-        out = ad.backward_pass(tangent.jaxpr, False, tangent.consts,
-                               [*res, *[ad.UndefinedPrimal(a) for a in tangent_avals]], list(cts))
+        out = jx.backward_pass(tangent.jaxpr, False, tangent.consts,
+                               [*res, *[jx.UndefinedPrimal(a) for a in tangent_avals]], list(cts))
         out = out[n_res:]
-        return [jnp.zeros(a.shape, a.dtype) if isinstance(ct, ad.Zero) or ct is None else ct
+        return [jnp.zeros(a.shape, a.dtype) if isinstance(ct, jx.Zero) or ct is None else ct
                 for ct, a in zip(out, tangent_avals)]
 
     return trace_flat(backward, [*res_avals, *ct_avals], "backward")
 
 
-def _stage_jaxpr(eqns, inputs, outputs) -> core.ClosedJaxpr:
+def _stage_jaxpr(eqns, inputs, outputs) -> jx.ClosedJaxpr:
     def run(*vals):
         env = dict(zip(inputs, vals))
         for eqn in eqns:
-            outs = bind_equation(eqn, [a.val if isinstance(a, core.Literal) else env[a] for a in eqn.invars])
+            outs = bind_equation(eqn, [a.val if isinstance(a, jx.Literal) else env[a] for a in eqn.invars])
             env.update(zip(eqn.outvars, outs))
         return [env[v] for v in outputs]
     return trace_flat(run, [v.aval for v in inputs], "stage")
 
 
-def _residuals(stage: core.ClosedJaxpr) -> tuple[int, list[int], list[int]]:
+def _residuals(stage: jx.ClosedJaxpr) -> tuple[int, list[int], list[int]]:
     """What JAX would save to differentiate ``stage``: ``(bytes of the values it computes for that,
     positions of the inputs it keeps, positions of the outputs it keeps)``. A value one cheap
     elementwise step from kept ones (``1 - y`` next to ``y``) costs nothing: XLA fuses it into its
@@ -116,11 +115,11 @@ def _residuals(stage: core.ClosedJaxpr) -> tuple[int, list[int], list[int]]:
     nzs = [_inexact(a) for a in stage.in_avals]
     if not any(nzs):
         return 0, [], []
-    primal, num_res, _, in_fwd, _ = ad.linearize_jaxpr(stage, nzs, is_vjp=True)
+    primal, num_res, _, in_fwd, _ = jx.linearize_jaxpr(stage, nzs, is_vjp=True)
     outs = primal.jaxpr.outvars
     n_out = len(outs) - num_res
     kept_outputs = [outs[:n_out].index(v) for v in outs[n_out:] if v in outs[:n_out]]
-    own_vars = [v for v in outs[n_out:] if v not in outs[:n_out] and isinstance(v, core.Var)]
+    own_vars = [v for v in outs[n_out:] if v not in outs[:n_out] and isinstance(v, jx.Var)]
     cheap = derived_residuals(primal.jaxpr.eqns, set(outs[n_out:]) | set(primal.jaxpr.invars))
     own = sum(aval_nbytes(v.aval) for v in set(own_vars) if v not in cheap)
     consts = len(stage.consts)
@@ -137,10 +136,10 @@ def _primal_problems(closed, machine, options):
     last_read: dict = {}
     for i, e in enumerate(eqns):
         for a in e.invars:
-            if isinstance(a, core.Var):
+            if isinstance(a, jx.Var):
                 last_read[a] = i
     for v in jaxpr.outvars:
-        if isinstance(v, core.Var):
+        if isinstance(v, jx.Var):
             last_read[v] = len(eqns)
     scans = []
     for i, e in enumerate(eqns):
@@ -162,7 +161,7 @@ def _primal_problems(closed, machine, options):
         inputs = _free_vars(stage_eqns)
         inside = [v for e in stage_eqns for v in e.outvars]
         outs = [v for v in inside if last_read.get(v, -1) > qs[-1]] or list(stage_eqns[-1].outvars)
-        key = (tuple((e.primitive, tuple(str(a.aval) if isinstance(a, core.Var) else repr(a.val) for a in e.invars),
+        key = (tuple((e.primitive, tuple(str(a.aval) if isinstance(a, jx.Var) else repr(a.val) for a in e.invars),
                       tuple(sorted((k, repr(v)) for k, v in e.params.items()))) for e in stage_eqns),
                tuple(a in program_inputs for a in inputs), tuple(inside.index(v) for v in outs))
         if key not in cache:
@@ -187,8 +186,8 @@ def _scan_problem(eqn, machine):
     nzs = [_inexact(a) for a in body.in_avals]
     if not any(nzs):
         return None
-    primal, num_res, _, in_fwd, _ = ad.linearize_jaxpr(body, nzs, is_vjp=True)
-    ncon, ncar = p["num_consts"], p["num_carry"]
+    primal, num_res, _, in_fwd, _ = jx.linearize_jaxpr(body, nzs, is_vjp=True)
+    ncon, ncar = jx.scan_num_consts(p), jx.scan_num_carry(p)
     consts = len(body.consts)
     own = sum(aval_nbytes(a) for a in primal.out_avals[len(primal.out_avals) - num_res:])
     carried = sum(aval_nbytes(body.in_avals[f - consts]) for f in in_fwd
@@ -218,12 +217,12 @@ def _free_vars(eqns) -> list:
     out = []
     for e in eqns:
         for a in e.invars:
-            if isinstance(a, core.Var) and a not in inside and a not in out:
+            if isinstance(a, jx.Var) and a not in inside and a not in out:
                 out.append(a)
     return out
 
 
-def emit_primal(closed: core.ClosedJaxpr, flat, items, scan_plans: dict[int, list]) -> core.ClosedJaxpr:
+def emit_primal(closed: jx.ClosedJaxpr, flat, items, scan_plans: dict[int, list]) -> jx.ClosedJaxpr:
     """``closed`` re-traced with the blocks of ``items`` as :func:`.gate.remat_block` s (nested as
     the schedule nests them) and the scans of ``scan_plans`` checkpointed."""
     jaxpr = closed.jaxpr
@@ -231,15 +230,15 @@ def emit_primal(closed: core.ClosedJaxpr, flat, items, scan_plans: dict[int, lis
     last_read: dict = {}
     for i, e in enumerate(eqns):
         for a in e.invars:
-            if isinstance(a, core.Var):
+            if isinstance(a, jx.Var):
                 last_read[a] = i
     for v in jaxpr.outvars:
-        if isinstance(v, core.Var):
+        if isinstance(v, jx.Var):
             last_read[v] = len(eqns)
 
     def run_eqn(q, env):
         eqn = eqns[q]
-        invals = [a.val if isinstance(a, core.Literal) else env[a] for a in eqn.invars]
+        invals = [a.val if isinstance(a, jx.Literal) else env[a] for a in eqn.invars]
         outs = checkpointed_scan(eqn, invals, scan_plans[q]) if q in scan_plans else bind_equation(eqn, invals)
         env.update(zip(eqn.outvars, outs))
 
@@ -298,7 +297,7 @@ def emit_primal(closed: core.ClosedJaxpr, flat, items, scan_plans: dict[int, lis
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars, vals))
         run_items(items, env, top=True)
-        return [v.val if isinstance(v, core.Literal) else env[v] for v in jaxpr.outvars]
+        return [v.val if isinstance(v, jx.Literal) else env[v] for v in jaxpr.outvars]
 
     return dce(trace_flat(run, [v.aval for v in jaxpr.invars], "remat"))
 
@@ -318,7 +317,7 @@ def unrolled_bound(closed) -> int:
     return values(closed.jaxpr) + sum(aval_nbytes(a) for a in closed.in_avals)
 
 
-def rematerialize_primal(closed: core.ClosedJaxpr, config, notes: list[Note], options) -> core.ClosedJaxpr:
+def rematerialize_primal(closed: jx.ClosedJaxpr, config, notes: list[Note], options) -> jx.ClosedJaxpr:
     """See the module docstring; ``closed`` itself when nothing is to be done."""
     limit = config.memory_limit
     if limit is None or not any(_inexact(a) for a in closed.in_avals) or not closed.jaxpr.eqns:

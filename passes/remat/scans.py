@@ -31,7 +31,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
+from hlopass import internals as jx
 
 from .gate import remat_block
 from .schedule import Block, Stored
@@ -152,8 +152,8 @@ class PairPlan:
         self.forward_inputs = None
 
     def _step(self, params, consts, xs, want):
-        body = core.jaxpr_as_fun(params["jaxpr"])
-        ncar = params["num_carry"]
+        body = jx.jaxpr_as_fun(params["jaxpr"])
+        ncar = jx.scan_num_carry(params)
 
         def step(carry, t):
             out = body(*consts, *carry, *[_index(x, t) for x in xs])
@@ -163,7 +163,7 @@ class PairPlan:
     # -- the forward scan ------------------------------------------------------------------------
     def forward(self, eqn, invals) -> list:
         p = eqn.params
-        ncon, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+        ncon, ncar, n, rev = jx.scan_num_consts(p), jx.scan_num_carry(p), p["length"], p["reverse"]
         consts, carry, xs = invals[:ncon], list(invals[ncon:ncon + ncar]), invals[ncon + ncar:]
         self.forward_inputs = (p, consts, xs)
         nys = len(eqn.outvars) - ncar
@@ -208,9 +208,9 @@ class PairPlan:
     # -- the transposed scan -------------------------------------------------------------------------
     def backward(self, eqn, invals) -> list:
         p = eqn.params
-        ncon, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+        ncon, ncar, n, rev = jx.scan_num_consts(p), jx.scan_num_carry(p), p["length"], p["reverse"]
         consts, carry, xs = invals[:ncon], list(invals[ncon:ncon + ncar]), invals[ncon + ncar:]
-        body = core.jaxpr_as_fun(p["jaxpr"])
+        body = jx.jaxpr_as_fun(p["jaxpr"])
         fp, fconsts, fxs = self.forward_inputs
         nys = len(eqn.outvars) - ncar
         wanted = [y for y in range(nys) if self._read(eqn.outvars[ncar + y])]
@@ -256,9 +256,9 @@ def checkpointed_scan(eqn, invals, plan: list[Segment]) -> list:
     as plain scans, blocked segments as an outer scan over :func:`.gate.remat_block` s of an inner
     scan of ``block`` steps (its carry is all a block keeps)."""
     p = eqn.params
-    ncon, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+    ncon, ncar, n, rev = jx.scan_num_consts(p), jx.scan_num_carry(p), p["length"], p["reverse"]
     consts, carry, xs = list(invals[:ncon]), list(invals[ncon:ncon + ncar]), list(invals[ncon + ncar:])
-    body = core.jaxpr_as_fun(p["jaxpr"])
+    body = jx.jaxpr_as_fun(p["jaxpr"])
     nys = len(eqn.outvars) - ncar
 
     def step(c, x):

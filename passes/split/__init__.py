@@ -59,7 +59,7 @@ import math
 
 import jax
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.graph import DataflowGraph
@@ -118,11 +118,11 @@ class SplitPass(Pass):
     #: Regions over the threshold, wherever they are written (branch bodies too), become loops.
     provides = frozenset({"split_regions"})
 
-    def run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+    def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         with top_program(closed.jaxpr):  # the jit arguments' shardings are this program's inputs'
             return self._run(closed, config)
 
-    def _run(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+    def _run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         new, report = self.run_once(closed, config)
         limit = config.memory_limit
         if limit is None or config.threshold is None or not report.rewrites or _upper_bound(new) <= limit:
@@ -157,7 +157,7 @@ class SplitPass(Pass):
                            f"the limit {format_size(limit)}", footprint=footprint, limit=limit)
         return new, report
 
-    def run_once(self, closed: core.ClosedJaxpr, config: Config) -> tuple[core.ClosedJaxpr, PassReport]:
+    def run_once(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         """One split of ``closed`` and every sub-program, without the memory-limit loop."""
         report = PassReport(self.name)
         if config.threshold is None or config.split_size is None:
@@ -181,8 +181,8 @@ class _Candidate:
                 self.region.size)
 
 
-def split_nested(closed: core.ClosedJaxpr, config: Config, report: PassReport,
-                 options: SplitOptions = SplitOptions()) -> core.ClosedJaxpr:
+def split_nested(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
+                 options: SplitOptions = SplitOptions()) -> jx.ClosedJaxpr:
     """Split ``closed`` and every sub-program (loop and branch bodies, linear-solve programs...).
 
     At each level, calls (``pjit``, ``closed_call``, ``checkpoint``, ``custom_jvp``/``custom_vjp``)
@@ -253,7 +253,7 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {text[:200]}"
 
 
-def _first_location(closed: core.ClosedJaxpr) -> str:
+def _first_location(closed: jx.ClosedJaxpr) -> str:
     for eqn in closed.jaxpr.eqns:
         where = source_line(eqn)
         if where != "<unknown>":
@@ -279,8 +279,8 @@ def _holds_large(eqn, threshold: int) -> bool:
     return any(aval_nbytes(v.aval) > threshold for sub in subjaxprs(eqn) for e in iter_eqns(sub) for v in e.outvars)
 
 
-def split_level(closed: core.ClosedJaxpr, config: Config, report: PassReport,
-                options: SplitOptions = SplitOptions()) -> core.ClosedJaxpr:
+def split_level(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
+                options: SplitOptions = SplitOptions()) -> jx.ClosedJaxpr:
     """Split every splittable region of one jaxpr level; ``closed`` itself when nothing applies.
 
     A region whose loop cannot be built is left as it is and reported with its source line; the
@@ -600,7 +600,7 @@ def _plan(jaxpr, graph, candidate: _Candidate, config: Config, report: PassRepor
                     candidate=candidate, grouped_top_k=options.grouped_top_k)
     inner = dataclasses.replace(config, threshold=config.split_size)
 
-    def refine(step: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    def refine(step: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
         depth = _NESTING.get()
         if candidate.nested and depth < MAX_NESTING:
             token = _NESTING.set(depth + 1)
@@ -674,7 +674,7 @@ def carried_state(plan: LoopPlan) -> list[str]:
     return out
 
 
-def _upper_bound(closed: core.ClosedJaxpr) -> int:
+def _upper_bound(closed: jx.ClosedJaxpr) -> int:
     """Bytes of every value the program defines (loop bodies once) plus its inputs, the top level's on
     one device (:mod:`.shares`): XLA cannot need more on one device."""
     share = device_bytes(closed.jaxpr)
@@ -684,25 +684,25 @@ def _upper_bound(closed: core.ClosedJaxpr) -> int:
     return values + sum(share(v) for v in closed.jaxpr.invars)
 
 
-def _input_shardings(closed: core.ClosedJaxpr) -> tuple | None:
+def _input_shardings(closed: jx.ClosedJaxpr) -> tuple | None:
     """The jax.jit arguments' ``NamedSharding`` s of ``closed``'s inputs, when known."""
     shardings = input_shardings()
     return shardings if shardings is not None and len(shardings) == len(closed.in_avals) else None
 
 
-def _footprint(closed: core.ClosedJaxpr, shardings: tuple | None = None) -> int:
+def _footprint(closed: jx.ClosedJaxpr, shardings: tuple | None = None) -> int:
     """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own: one
     device's when the inputs' ``shardings`` are given (the figure the memory limit bounds)."""
     import jax
     from hlopass.memory import measure
     shardings = shardings or (None,) * len(closed.in_avals)
-    args = [jax.lax.create_token() if isinstance(a, core.AbstractToken) else
+    args = [jax.lax.create_token() if isinstance(a, jx.AbstractToken) else
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(closed.in_avals, shardings)]
     with mesh_of(shardings):  # explicit types need their mesh
-        return measure(jax.jit(core.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
+        return measure(jax.jit(jx.jaxpr_as_fun(closed)).lower(*args).compile()).footprint
 
 
-def inline_calls_holding_large(closed: core.ClosedJaxpr, threshold: int) -> core.ClosedJaxpr:
+def inline_calls_holding_large(closed: jx.ClosedJaxpr, threshold: int) -> jx.ClosedJaxpr:
     """Inline, at this level, every call (``pjit``, ``closed_call``, ``checkpoint``, ``custom_jvp_call``,
     ``custom_vjp_call``) that reads, returns or computes a value over ``threshold``, recursively
     through nested calls: their equations become splittable together with the caller's.

@@ -36,7 +36,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.interpreter import bind_equation
 from hlopass.families import ELEMENTWISE_MONOIDS
@@ -53,13 +53,13 @@ from .select import grouped_top_k
 class LoopPlan:
     """How to loop over one region: inputs, outputs, chunk size."""
 
-    jaxpr: core.Jaxpr
+    jaxpr: jx.Jaxpr
     region: SplitRegion
-    inputs: list[tuple[core.Var, int | None]]   # (value, split dimension) read by the region
-    outputs: list[core.Var]                      # region values read after the loop
+    inputs: list[tuple[jx.Var, int | None]]   # (value, split dimension) read by the region
+    outputs: list[jx.Var]                      # region values read after the loop
     chunk: int
     #: optional rewrite of one step's program (nested splitting); gets the traced ClosedJaxpr
-    refine_step: Callable[[core.ClosedJaxpr], core.ClosedJaxpr] | None = None
+    refine_step: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr] | None = None
     #: the pass's choice that produced this plan (for its report)
     candidate: object = None
     #: steps written out one after the other instead of a loop (short axes, see ``unroll.py``)
@@ -95,14 +95,14 @@ class LoopPlan:
         return Scales(self.jaxpr, self.region, self.online)
 
     @functools.cached_property
-    def scatters(self) -> list[tuple[int, core.Var]]:
+    def scatters(self) -> list[tuple[int, jx.Var]]:
         """Scatters whose indices run along the split axis: ``(equation, result)``. The loop carries
         their result and scatters each slice into it (the operand is the initial value)."""
         return [(i, self.jaxpr.eqns[i].outvars[0]) for i in sorted(self.region.reducing)
                 if self.jaxpr.eqns[i].primitive.name in SCATTER_MONOIDS]
 
     @property
-    def input_vars(self) -> list[core.Var]:
+    def input_vars(self) -> list[jx.Var]:
         return list(dict.fromkeys(var for var, _ in self.inputs))
 
     @property
@@ -131,7 +131,7 @@ class LoopPlan:
         scattered = scattered or {}
 
         def operand(i, pos, atom):
-            if not isinstance(atom, core.Var):
+            if not isinstance(atom, jx.Var):
                 return atom.val
             if atom in env:
                 return env[atom]
@@ -156,14 +156,14 @@ class LoopPlan:
                 env[eqn.outvars[0]] = env[scaled].astype(eqn.outvars[0].aval.dtype)
                 continue
             if i in self.region.shift:
-                invals = [env[a] if isinstance(a, core.Var) and a in env else operand(i, pos, a)
+                invals = [env[a] if isinstance(a, jx.Var) and a in env else operand(i, pos, a)
                           for pos, a in enumerate(eqn.invars)]
                 env.update(zip(eqn.outvars, bind_equation(eqn, invals)))
                 continue
             invals = [operand(i, pos, atom) for pos, atom in enumerate(eqn.invars)]
             if self.online is not None:
                 for pos, atom in enumerate(eqn.invars):
-                    if isinstance(atom, core.Var) and atom in self.online.entries:
+                    if isinstance(atom, jx.Var) and atom in self.online.entries:
                         if atom not in entries:
                             entries[atom] = clamp(env[atom])
                         invals[pos] = entries[atom]
@@ -253,11 +253,11 @@ class LoopPlan:
 
         if self.refine_step is None:
             return step
-        avals = [core.ShapedArray((), jnp.int32)] + [v.aval for v in names] + [v.aval for _, v in self.scatters] \
+        avals = [jx.ShapedArray((), jnp.int32)] + [v.aval for v in names] + [v.aval for _, v in self.scatters] \
             + [v.aval for v in maxima] + [self._carry_aval(i) for i in scans]
         closed = trace_flat(step, avals, "split_step")
         refined = self.refine_step(closed)
-        return core.jaxpr_as_fun(refined)
+        return jx.jaxpr_as_fun(refined)
 
     # -- the loop ------------------------------------------------------------------------------
     def build(self, *input_values) -> list:
@@ -322,9 +322,9 @@ class LoopPlan:
             loop_from = 1
         else:
             state = self._initial_state(None, values)
-            if any(distributed_type(core.typeof(v)) for v in (*input_values, *operands)):
+            if any(distributed_type(jx.typeof(v)) for v in (*input_values, *operands)):
                 # the carries take the types of the step's results (mesh, sharding, manual axes)
-                types = trace_flat(step, [core.typeof(v) for v in (jnp.int32(0), *input_values, *operands)],
+                types = trace_flat(step, [jx.typeof(v) for v in (jnp.int32(0), *input_values, *operands)],
                                    "split_step_types").out_avals
                 state = [conform(value, aval) for value, aval in zip(state, types)]
             loop_from = 0
@@ -360,7 +360,7 @@ class LoopPlan:
         var = self.jaxpr.eqns[i].outvars[0]
         shape = list(var.aval.shape)
         shape[self.region.var_axis[var]] = 1
-        return core.ShapedArray(tuple(shape), _accumulator_dtype(self.region.scans[i][0], var.aval.dtype))
+        return jx.ShapedArray(tuple(shape), _accumulator_dtype(self.region.scans[i][0], var.aval.dtype))
 
     @property
     def maxima(self) -> list:
@@ -373,7 +373,7 @@ class LoopPlan:
         env = {v: state[self.carried.index(v)] for v in self.maxima}
         for i in self.online.shift:
             eqn = self.jaxpr.eqns[i]
-            invals = [a.val if isinstance(a, core.Literal) else env[a] if a in env else values[a] for a in eqn.invars]
+            invals = [a.val if isinstance(a, jx.Literal) else env[a] if a in env else values[a] for a in eqn.invars]
             env.update(zip(eqn.outvars, bind_equation(eqn, invals)))
         whole = {var: values[var] for var, axis in self.inputs if axis is None}
         entries = {v: env[v] for v in self.online.entries}
@@ -387,7 +387,7 @@ class LoopPlan:
         if self.online.final:  # the final program on the sums, then each sum's deferred factor
             for i in self.online.final:
                 eqn = self.jaxpr.eqns[i]
-                invals = [a.val if isinstance(a, core.Literal) else env[a] if a in env else values[a]
+                invals = [a.val if isinstance(a, jx.Literal) else env[a] if a in env else values[a]
                           for a in eqn.invars]
                 env.update(zip(eqn.outvars, bind_equation(eqn, [v.astype(a.aval.dtype) if hasattr(v, "astype")
                                                                  and hasattr(a, "aval") else v
@@ -406,7 +406,7 @@ class LoopPlan:
 
     def _operand_value(self, i: int, values: dict):
         atom = self.jaxpr.eqns[i].invars[0]
-        return atom.val if isinstance(atom, core.Literal) else values[atom]
+        return atom.val if isinstance(atom, jx.Literal) else values[atom]
 
     def _initial_state(self, first, values: dict) -> list:
         """Buffers for axis outputs, identities for accumulators, a scatter's operand for its running
@@ -522,7 +522,7 @@ def _is_low_float(dtype) -> bool:
 
 def _like(partial, state):
     """A step's partial result with the dtype, manual axes and explicit sharding of its loop carry."""
-    return conform(partial.astype(state.dtype), core.typeof(state))
+    return conform(partial.astype(state.dtype), jx.typeof(state))
 
 
 def _accumulator_dtype(monoid: str, dtype):

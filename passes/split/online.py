@@ -50,7 +50,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.interpreter import bind_equation
 
@@ -81,7 +81,7 @@ def _infeasible(i: int, reason: str) -> NotOnline:
 RUNNING = ("max", "min", "or", "and")
 
 
-def running_reducers(jaxpr: core.Jaxpr, region) -> list[int]:
+def running_reducers(jaxpr: jx.Jaxpr, region) -> list[int]:
     """Reductions of ``region`` along the split axis whose running value a shift program may read
     (``max``/``min`` of floats, ``or``/``and``: a maximum with its NaN flag)."""
     return sorted(i for i, monoid in region.reducing.items() if monoid in RUNNING
@@ -89,7 +89,7 @@ def running_reducers(jaxpr: core.Jaxpr, region) -> list[int]:
                   and (monoid in ("or", "and") or jnp.issubdtype(jaxpr.eqns[i].outvars[0].aval.dtype, jnp.floating)))
 
 
-def shift_equations(jaxpr: core.Jaxpr, graph, region, between: list[int]) -> list[int]:
+def shift_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[int]:
     """The equations of ``between`` (outside ``region`` on a path from it back into it) that read only
     results of the region's floating ``reduce_max`` es, other such equations, and values computed
     outside the region; in program order. Empty when there are none."""
@@ -108,7 +108,7 @@ def shift_equations(jaxpr: core.Jaxpr, graph, region, between: list[int]) -> lis
                 continue
             ok = True
             for atom in eqn.invars:
-                if not isinstance(atom, core.Var):
+                if not isinstance(atom, jx.Var):
                     continue
                 j = producer.get(atom)
                 if atom in maxes or j in found:
@@ -123,7 +123,7 @@ def shift_equations(jaxpr: core.Jaxpr, graph, region, between: list[int]) -> lis
     return sorted(found)
 
 
-def final_equations(jaxpr: core.Jaxpr, graph, region, between: list[int]) -> list[int]:
+def final_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[int]:
     """The equations of ``between`` that read only results of the region's sums (and running
     reductions, shift values, other such equations, values from outside): the *final program*, evaluated
     once after the loop (the ``1 / s`` of ``softmax(x) @ V``); in program order."""
@@ -140,7 +140,7 @@ def final_equations(jaxpr: core.Jaxpr, graph, region, between: list[int]) -> lis
                 continue
             ok = True
             for atom in jaxpr.eqns[i].invars:
-                if not isinstance(atom, core.Var) or atom in sources:
+                if not isinstance(atom, jx.Var) or atom in sources:
                     continue
                 j = producer.get(atom)
                 if j in found or j is None or (j not in region.eqns and j not in between_set):
@@ -167,11 +167,11 @@ class OnlineInfo:
     deferred: set = dataclasses.field(default_factory=set)         # mul/div by a final value: skipped in the loop
 
 
-def analyse(jaxpr: core.Jaxpr, region) -> OnlineInfo:
+def analyse(jaxpr: jx.Jaxpr, region) -> OnlineInfo:
     """Check that ``region``'s values computed from its shift program are linear in ``exp(-c)`` and
     say how each is made; raises :class:`NotOnline` naming the equation that is not."""
     shift_outs = {v for i in region.shift for v in jaxpr.eqns[i].outvars}
-    readers = {a for j in region.eqns for a in jaxpr.eqns[j].invars if isinstance(a, core.Var)}
+    readers = {a for j in region.eqns for a in jaxpr.eqns[j].invars if isinstance(a, jx.Var)}
     maxima = [i for i in running_reducers(jaxpr, region) if any(v in readers for v in jaxpr.eqns[i].outvars)]
     if not any(region.reducing[i] == "max" for i in maxima):
         raise _infeasible(region.seed, "a value reduced over the split axis is read again (two passes)")
@@ -190,10 +190,10 @@ def analyse(jaxpr: core.Jaxpr, region) -> OnlineInfo:
         eqn = jaxpr.eqns[i]
         ins = []
         for pos, atom in enumerate(eqn.invars):
-            if isinstance(atom, core.Var) and (atom in shift_outs or atom in max_outs):
+            if isinstance(atom, jx.Var) and (atom in shift_outs or atom in max_outs):
                 entries.add(atom)
                 ins.append(CONST)
-            elif isinstance(atom, core.Var) and atom in kinds:
+            elif isinstance(atom, jx.Var) and atom in kinds:
                 ins.append(kinds[atom])
             else:
                 ins.append(WHOLE if region.operand_axis.get((i, pos)) is None else FREE)
@@ -232,7 +232,7 @@ def _varying(i: int, eqn, ins: list[str], vary: dict) -> frozenset:
 
     def of(pos):
         atom = eqn.invars[pos]
-        if ins[pos] in (FREE, WHOLE) or not isinstance(atom, core.Var):
+        if ins[pos] in (FREE, WHOLE) or not isinstance(atom, jx.Var):
             return frozenset()
         if atom in vary:
             return vary[atom]
@@ -292,11 +292,11 @@ def _final_rule(i: int, eqn, ins: list[str]) -> str:
 
 def _is_constant(jaxpr, atom, values: tuple) -> bool:
     """Whether ``atom`` is a literal (or a broadcast of one) equal to one of ``values`` everywhere."""
-    if isinstance(atom, core.Literal):
+    if isinstance(atom, jx.Literal):
         return _all_in(atom.val, values)
     for eqn in jaxpr.eqns:
         if atom in eqn.outvars and eqn.primitive.name in ("broadcast_in_dim", "convert_element_type") \
-                and isinstance(eqn.invars[0], core.Literal):
+                and isinstance(eqn.invars[0], jx.Literal):
             return _all_in(eqn.invars[0].val, values)
     return False
 
@@ -353,7 +353,7 @@ def clamp(value):
 class Scales:
     """``L`` of each running sum of an online region, from the shift program's values (thin shapes)."""
 
-    def __init__(self, jaxpr: core.Jaxpr, region, info: OnlineInfo):
+    def __init__(self, jaxpr: jx.Jaxpr, region, info: OnlineInfo):
         self.jaxpr, self.region, self.info = jaxpr, region, info
 
     @property
@@ -378,16 +378,16 @@ class Scales:
         thin: dict = dict(finals or {})
 
         def kind_of(i, pos, atom):
-            if isinstance(atom, core.Var) and kinds.get(atom) == FINAL:
+            if isinstance(atom, jx.Var) and kinds.get(atom) == FINAL:
                 return FINAL
-            if isinstance(atom, core.Var) and atom in entries:
+            if isinstance(atom, jx.Var) and atom in entries:
                 return CONST
-            if isinstance(atom, core.Var) and atom in kinds:
+            if isinstance(atom, jx.Var) and atom in kinds:
                 return kinds[atom]
             return WHOLE if self.region.operand_axis.get((i, pos)) is None else FREE
 
         def value(i, pos, atom):
-            if not isinstance(atom, core.Var):
+            if not isinstance(atom, jx.Var):
                 return atom.val
             if atom in entries:
                 return entries[atom]

@@ -19,7 +19,7 @@ within the split size. Values that are program outputs are left alone.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import CUMULATIVE, ELEMENTWISE
 from hlopass.graph import DataflowGraph
@@ -29,7 +29,7 @@ from .rules import dim_map
 from .shares import device_bytes
 
 
-def staged_values(jaxpr: core.Jaxpr, large: int, online: bool = False) -> list[core.Var]:
+def staged_values(jaxpr: jx.Jaxpr, large: int, online: bool = False) -> list[jx.Var]:
     """Large values (over ``large`` bytes, not program outputs) read in more than one stage and
     recomputable from small values, in program order. With ``online``, a floating ``reduce_max``
     starts no stage (one loop can carry a running maximum, see :mod:`.online`)."""
@@ -39,15 +39,15 @@ def staged_values(jaxpr: core.Jaxpr, large: int, online: bool = False) -> list[c
     found = []
     for i, eqn in enumerate(jaxpr.eqns):
         for var in eqn.outvars:
-            if isinstance(var, core.DropVar) or share(var) <= large or graph.is_output(var):
+            if isinstance(var, jx.DropVar) or share(var) <= large or graph.is_output(var):
                 continue
             if stages.later_readers(var) and _cone(jaxpr, graph, i, large) is not None:
                 found.append(var)
     return found
 
 
-def recompute_for_later_stages(closed: core.ClosedJaxpr, var: core.Var, large: int,
-                               online: bool = False) -> core.ClosedJaxpr:
+def recompute_for_later_stages(closed: jx.ClosedJaxpr, var: jx.Var, large: int,
+                               online: bool = False) -> jx.ClosedJaxpr:
     """``closed`` where the readers of ``var`` in later stages read a copy computed again (one copy per
     further stage)."""
     jaxpr = closed.jaxpr
@@ -62,7 +62,7 @@ def recompute_for_later_stages(closed: core.ClosedJaxpr, var: core.Var, large: i
         jaxpr, var = _with_copy(jaxpr, cone, later, var)
     if jaxpr is closed.jaxpr:
         return closed
-    return dce(core.ClosedJaxpr(jaxpr, closed.consts))
+    return dce(jx.ClosedJaxpr(jaxpr, closed.consts))
 
 
 class _Stages:
@@ -74,12 +74,12 @@ class _Stages:
     grown from it would take in); readers at different levels are different stages.
     """
 
-    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, large: int, online: bool = False):
+    def __init__(self, jaxpr: jx.Jaxpr, graph: DataflowGraph, large: int, online: bool = False):
         self.jaxpr, self.graph, self.large = jaxpr, graph, large
         self.share = device_bytes(jaxpr)
         self.level: dict = {}
         for eqn in jaxpr.eqns:
-            here = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
+            here = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, jx.Var)), default=0)
             reduces = any(self._large(a) for a in eqn.invars) and not any(self._large(v) for v in eqn.outvars)
             if online and eqn.primitive.name == "reduce_max" and jnp.issubdtype(eqn.outvars[0].aval.dtype,
                                                                                 jnp.floating):
@@ -91,14 +91,14 @@ class _Stages:
         self.meets: list[int] = [0] * len(jaxpr.eqns)
         for i in reversed(range(len(jaxpr.eqns))):
             eqn = jaxpr.eqns[i]
-            best = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, core.Var)), default=0)
+            best = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, jx.Var)), default=0)
             for var in eqn.outvars:
                 if self._large(var):
                     best = max([best] + [self.meets[j] for j in graph.uses(var)])
             self.meets[i] = best
 
     def _large(self, atom) -> bool:
-        return isinstance(atom, core.Var) and self.share(atom) > self.large
+        return isinstance(atom, jx.Var) and self.share(atom) > self.large
 
     def later_readers(self, var) -> list[int]:
         """Readers of ``var`` in a later stage than its first."""
@@ -110,7 +110,7 @@ class _Stages:
         return [j for j in readers if stage[j] > first]
 
 
-def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[int] | None:
+def _cone(jaxpr: jx.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[int] | None:
     """Equations computing the outputs of equation ``i`` back to small values or to the results of
     cumulative ops (``None`` if one of them cannot be recomputed: no split rule, or effects; or if
     ``i`` is a cumulative op). A cumulative op is computed once and read by every stage: a copy
@@ -130,7 +130,7 @@ def _cone(jaxpr: core.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[i
             return None
         cone.add(j)
         for atom in eqn.invars:
-            producer = graph.producer.get(atom) if isinstance(atom, core.Var) else None
+            producer = graph.producer.get(atom) if isinstance(atom, jx.Var) else None
             if producer is not None and jaxpr.eqns[producer].primitive.name not in CUMULATIVE and (
                     share(atom) > large or _elementwise_of_large(jaxpr.eqns[producer], large, share)):
                 stack.append(producer)
@@ -141,19 +141,19 @@ def _elementwise_of_large(eqn, large: int, share) -> bool:
     """A small value computed element by element from a large one (a boolean mask from a large ``iota``):
     copied with its stage, so that no large value stays shared between two stages."""
     return eqn.primitive.name in ELEMENTWISE and any(
-        isinstance(a, core.Var) and share(a) > large for a in eqn.invars)
+        isinstance(a, jx.Var) and share(a) > large for a in eqn.invars)
 
 
-def _with_copy(jaxpr: core.Jaxpr, cone: list[int], later: list[int], var: core.Var):
+def _with_copy(jaxpr: jx.Jaxpr, cone: list[int], later: list[int], var: jx.Var):
     """``jaxpr`` where the ``later`` readers read a fresh copy of the ``cone`` equations' results,
     placed just before the first of them; and the copy of ``var``."""
     rename: dict = {}
     copies = []
     for j in cone:
         eqn = jaxpr.eqns[j]
-        outvars = [v if isinstance(v, core.DropVar) else core.Var(v.aval) for v in eqn.outvars]
-        rename.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, core.DropVar))
-        invars = [rename.get(a, a) if isinstance(a, core.Var) else a for a in eqn.invars]
+        outvars = [v if isinstance(v, jx.DropVar) else jx.Var(v.aval) for v in eqn.outvars]
+        rename.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, jx.DropVar))
+        invars = [rename.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars]
         copies.append(eqn.replace(invars=invars, outvars=outvars))
     later_set, first = set(later), min(later)
     eqns = []
@@ -161,6 +161,6 @@ def _with_copy(jaxpr: core.Jaxpr, cone: list[int], later: list[int], var: core.V
         if k == first:
             eqns.extend(copies)
         if k in later_set:
-            eqn = eqn.replace(invars=[rename.get(a, a) if isinstance(a, core.Var) else a for a in eqn.invars])
+            eqn = eqn.replace(invars=[rename.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars])
         eqns.append(eqn)
     return jaxpr.replace(eqns=eqns), rename[var]

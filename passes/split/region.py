@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes
@@ -68,7 +68,7 @@ class SplitRegion:
     eqns: set[int]
     size: int                                        # length of the split axis
     label: dict[int, object]                         # equation -> its label of the split axis
-    var_axis: dict[core.Var, int | None]             # region value -> its split dimension (None: reduced)
+    var_axis: dict[jx.Var, int | None]             # region value -> its split dimension (None: reduced)
     operand_axis: dict[tuple[int, int], int | None]  # (equation, operand position) -> dimension
     reducing: dict[int, str]                         # equation -> monoid, where the axis is reduced
     scans: dict[int, tuple[str, bool]] = dataclasses.field(default_factory=dict)  # cumulative op -> (monoid, reverse)
@@ -79,27 +79,27 @@ class SplitRegion:
     def ordered(self) -> list[int]:
         return sorted(self.eqns)
 
-    def inputs(self, jaxpr: core.Jaxpr) -> list[tuple[core.Var, int | None]]:
+    def inputs(self, jaxpr: jx.Jaxpr) -> list[tuple[jx.Var, int | None]]:
         """Distinct ``(value, axis)`` pairs read from outside the region, in first-use order."""
         seen: dict[tuple, None] = {}
         for i in self.ordered():
             for pos, atom in enumerate(jaxpr.eqns[i].invars):
-                if isinstance(atom, core.Var) and atom not in self.var_axis:
+                if isinstance(atom, jx.Var) and atom not in self.var_axis:
                     seen.setdefault((atom, self.operand_axis[(i, pos)]), None)
         return list(seen)
 
-    def outputs(self, jaxpr: core.Jaxpr, graph: DataflowGraph) -> list[core.Var]:
+    def outputs(self, jaxpr: jx.Jaxpr, graph: DataflowGraph) -> list[jx.Var]:
         """SplitRegion values read after the region (by other equations or as program outputs)."""
         outs = []
         for i in self.ordered():
             for var in jaxpr.eqns[i].outvars:
-                if isinstance(var, core.DropVar):
+                if isinstance(var, jx.DropVar):
                     continue
                 if graph.is_output(var) or any(j not in self.eqns for j in graph.uses(var)):
                     outs.append(var)
         return outs
 
-    def per_unit_bytes(self, jaxpr: core.Jaxpr) -> int:
+    def per_unit_bytes(self, jaxpr: jx.Jaxpr) -> int:
         """Bytes per unit of the split axis of the largest sliced value of one iteration, on one device."""
         share = device_bytes(jaxpr)
         best = 0
@@ -111,7 +111,7 @@ class SplitRegion:
                 best = max(best, -(-share(var) // self.size))
         return best
 
-    def peak_per_unit_bytes(self, jaxpr: core.Jaxpr, graph: DataflowGraph) -> int:
+    def peak_per_unit_bytes(self, jaxpr: jx.Jaxpr, graph: DataflowGraph) -> int:
         """Bytes per unit of the split axis live at once in one iteration, in program order, on one device.
 
         A value that XLA fuses into its only consumer (an elementwise result read by one
@@ -120,7 +120,7 @@ class SplitRegion:
         share = device_bytes(jaxpr)
         unit = lambda var: -(-share(var) // self.size)  # noqa: E731
         inputs = sum(unit(var) for var, axis in self.inputs(jaxpr) if axis is not None)
-        last_use: dict[core.Var, int] = {}
+        last_use: dict[jx.Var, int] = {}
         for i in self.ordered():
             for var in jaxpr.eqns[i].outvars:
                 if self.var_axis.get(var) is None or self._fused(jaxpr, graph, i, var):
@@ -144,12 +144,12 @@ class SplitRegion:
         uses = graph.uses(var)
         return len(uses) == 1 and uses[0] in self.eqns and jaxpr.eqns[uses[0]].primitive.name in FUSING_CONSUMERS
 
-    def largest_bytes(self, jaxpr: core.Jaxpr | None = None) -> int:
+    def largest_bytes(self, jaxpr: jx.Jaxpr | None = None) -> int:
         """The largest value the region computes (the tensor the split avoids); with ``jaxpr``, one device's share."""
         share = device_bytes(jaxpr) if jaxpr is not None else (lambda v: aval_nbytes(v.aval))
         return max((share(v) for v in self.var_axis), default=0)
 
-    def min_chunk(self, jaxpr: core.Jaxpr) -> int:
+    def min_chunk(self, jaxpr: jx.Jaxpr) -> int:
         """Smallest chunk the reductions allow (``top_k`` needs at least ``k`` per slice)."""
         need = 1
         for i, monoid in self.reducing.items():
@@ -158,7 +158,7 @@ class SplitRegion:
         return need
 
 
-def seeds(jaxpr: core.Jaxpr, threshold: int) -> list[int]:
+def seeds(jaxpr: jx.Jaxpr, threshold: int) -> list[int]:
     """Reducing equations with an operand above ``threshold`` bytes and results at most that
     (or at most half the operand: with a tiny threshold, ``top_k`` of many rows still reduces);
     sizes are one device's shares (:mod:`.shares`)."""
@@ -180,16 +180,16 @@ def seeds(jaxpr: core.Jaxpr, threshold: int) -> list[int]:
 def _effective_nbytes(share, producers, atom) -> int:
     """Bytes (``share``: one device's) of ``atom``, or of its producer's largest operand when that is
     larger (``any(x > 0)`` reduces a small boolean made from a large ``x``)."""
-    if not isinstance(atom, core.Var):
+    if not isinstance(atom, jx.Var):
         return 0
     size = share(atom)
     producer = producers.get(atom)
     if producer is not None and producer.primitive.name in ELEMENTWISE:
-        size = max([size] + [share(a) for a in producer.invars if isinstance(a, core.Var)])
+        size = max([size] + [share(a) for a in producer.invars if isinstance(a, jx.Var)])
     return size
 
 
-def seed_labels(jaxpr: core.Jaxpr, seed: int, threshold: int) -> list[object]:
+def seed_labels(jaxpr: jx.Jaxpr, seed: int, threshold: int) -> list[object]:
     """Candidate split labels of ``seed``: the splittable dimensions of its large operands."""
     eqn = jaxpr.eqns[seed]
     dm = dim_map(eqn)
@@ -207,7 +207,7 @@ def seed_labels(jaxpr: core.Jaxpr, seed: int, threshold: int) -> list[object]:
 
 
 class _Grower:
-    def __init__(self, jaxpr: core.Jaxpr, graph: DataflowGraph, split_size: int, whole: frozenset[int] = frozenset()):
+    def __init__(self, jaxpr: jx.Jaxpr, graph: DataflowGraph, split_size: int, whole: frozenset[int] = frozenset()):
         self.jaxpr = jaxpr
         self.graph = graph
         self.split_size = split_size
@@ -306,7 +306,7 @@ class _Grower:
                 raise Infeasible(i, f"{eqn.primitive.name} drops the split axis")
             self._set_size(region, i, var, axis)
             region.var_axis[var] = axis
-            if axis is None or isinstance(var, core.DropVar):
+            if axis is None or isinstance(var, jx.DropVar):
                 continue
             if self.large(var):  # a large value (a result of the program too) is written slice by slice
                 for j in self.graph.uses(var):
@@ -315,7 +315,7 @@ class _Grower:
         for pos, atom in enumerate(eqn.invars):
             axis = dm.in_axis(label, pos) if pos < len(dm.ins) else None
             region.operand_axis[(i, pos)] = axis
-            if not isinstance(atom, core.Var):
+            if not isinstance(atom, jx.Var):
                 continue
             self._set_size(region, i, atom, axis)
             producer = self.graph.producer.get(atom)
@@ -326,7 +326,7 @@ class _Grower:
 
     def _reads_large(self, i: int) -> bool:
         """Whether equation ``i`` reads a large value (then its small result is still worth recomputing)."""
-        return any(isinstance(a, core.Var) and self.large(a) for a in self.jaxpr.eqns[i].invars)
+        return any(isinstance(a, jx.Var) and self.large(a) for a in self.jaxpr.eqns[i].invars)
 
     def _label_of_use(self, j: int, var, axis: int):
         dm = self.dim_map(j)
@@ -337,7 +337,7 @@ class _Grower:
 
     def _label_from_operands(self, region: SplitRegion, j: int):
         for pos, atom in enumerate(self.jaxpr.eqns[j].invars):
-            if isinstance(atom, core.Var) and region.var_axis.get(atom) is not None:
+            if isinstance(atom, jx.Var) and region.var_axis.get(atom) is not None:
                 return self._label_of_use(j, atom, region.var_axis[atom])
         raise Infeasible(j, "needs a value reduced over the split axis (that would take two passes)")
 
@@ -370,7 +370,7 @@ class _Grower:
             if i in region.final:
                 continue  # reads the loop's results, after it
             for pos, atom in enumerate(self.jaxpr.eqns[i].invars):
-                if isinstance(atom, core.Var) and atom in region.var_axis:
+                if isinstance(atom, jx.Var) and atom in region.var_axis:
                     have, want = region.var_axis[atom], region.operand_axis[(i, pos)]
                     if atom in online and want is None:
                         continue
@@ -392,7 +392,7 @@ def _reachable(starts, step) -> set[int]:
     return seen
 
 
-def grow_region(jaxpr: core.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int) -> SplitRegion:
+def grow_region(jaxpr: jx.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int) -> SplitRegion:
     """The region grown from ``seed`` along ``label``; raises :class:`Infeasible`.
 
     A cumulative op whose result is also read outside the region is computed once, whole, and read

@@ -27,7 +27,7 @@ import dataclasses
 from typing import Callable, Hashable
 
 import numpy as np
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS, dot_general_labels
 
@@ -301,7 +301,7 @@ def _dynamic_update_slice(eqn) -> DimMap:
     return DimMap([labels, list(labels)] + [[] for _ in eqn.invars[2:]], [list(labels)])
 
 
-AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
+AXIS_RULES: dict[str, Callable[[jx.JaxprEqn], DimMap]] = {
     **{name: _elementwise for name in ELEMENTWISE},
     **{name: _reduction for name in (*REDUCTIONS, *ARG_REDUCTIONS)},
     **{name: _along_axis for name in ALONG_AXIS},
@@ -325,7 +325,7 @@ AXIS_RULES: dict[str, Callable[[core.JaxprEqn], DimMap]] = {
 }
 
 
-def dim_map(eqn: core.JaxprEqn) -> DimMap | None:
+def dim_map(eqn: jx.JaxprEqn) -> DimMap | None:
     """The rule's labelling of ``eqn``, or ``None`` when hlopass has no rule for its primitive."""
     rule = AXIS_RULES.get(eqn.primitive.name)
     if rule is None or eqn.effects:
@@ -367,7 +367,7 @@ CHUNK_PARAMS: dict[str, Callable[[dict, list[tuple[int, ...]]], dict]] = {
 }
 
 
-def chunk_params(eqn: core.JaxprEqn, out_shapes: list[tuple[int, ...]]) -> dict:
+def chunk_params(eqn: jx.JaxprEqn, out_shapes: list[tuple[int, ...]]) -> dict:
     """``eqn.params`` for results of shapes ``out_shapes`` (operands sliced accordingly)."""
     update = CHUNK_PARAMS.get(eqn.primitive.name)
     return eqn.params if update is None else update(eqn.params, out_shapes)
@@ -377,12 +377,7 @@ def chunk_params(eqn: core.JaxprEqn, out_shapes: list[tuple[int, ...]]) -> dict:
 
 def identity(monoid: str, dtype):
     """The identity element of ``monoid`` for ``dtype`` (a scalar array)."""
-    from jax._src.lax import lax as lax_internal
-    table = {"add": lax_internal._get_sum_identity, "mul": lax_internal._get_prod_identity,
-             "max": lax_internal._get_max_identity, "min": lax_internal._get_min_identity,
-             "and": lax_internal._get_bitwise_and_identity, "or": lax_internal._get_bitwise_or_identity,
-             "xor": lax_internal._get_bitwise_or_identity}
-    return table[monoid](dtype)
+    return jx.reduction_identity(monoid, dtype)
 
 
 def combine(monoid: str, acc, part):

@@ -16,7 +16,7 @@ import math
 import weakref
 from typing import Callable
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.jaxpr_utils import aval_nbytes, call_body
 from hlopass.sharding import input_shards, sharding_pieces, type_shards
@@ -30,12 +30,12 @@ _TOP: contextvars.ContextVar = contextvars.ContextVar("hlopass_split_top", defau
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _signature(jaxpr: core.Jaxpr) -> tuple:
+def _signature(jaxpr: jx.Jaxpr) -> tuple:
     return tuple((getattr(v.aval, "shape", None), str(getattr(v.aval, "dtype", ""))) for v in jaxpr.invars)
 
 
 @contextlib.contextmanager
-def top_program(jaxpr: core.Jaxpr):
+def top_program(jaxpr: jx.Jaxpr):
     """Within: the jax.jit arguments' shardings (:func:`hlopass.sharding.input_shards`) are those of
     the inputs of ``jaxpr`` (and of its rewritten versions, which have the same input types), not of a
     sub-program (a ``shard_map`` body, a loop step) that happens to have as many inputs."""
@@ -46,7 +46,7 @@ def top_program(jaxpr: core.Jaxpr):
         _TOP.reset(token)
 
 
-def _argument_shards(jaxpr: core.Jaxpr) -> tuple | None:
+def _argument_shards(jaxpr: jx.Jaxpr) -> tuple | None:
     shards = input_shards()
     if shards is None or len(shards) != len(jaxpr.invars):
         return None
@@ -56,7 +56,7 @@ def _argument_shards(jaxpr: core.Jaxpr) -> tuple | None:
     return shards
 
 
-def sharded_values(jaxpr: core.Jaxpr) -> dict:
+def sharded_values(jaxpr: jx.Jaxpr) -> dict:
     """Pieces per dimension of each value of ``jaxpr`` known to be cut across devices (see the module)."""
     inputs = _argument_shards(jaxpr)
     try:
@@ -83,7 +83,7 @@ def sharded_values(jaxpr: core.Jaxpr) -> dict:
 _SWEEPS = 3
 
 
-def _propagate(jaxpr: core.Jaxpr, known: dict) -> dict:
+def _propagate(jaxpr: jx.Jaxpr, known: dict) -> dict:
     """``known`` (pieces of some inputs) followed through ``jaxpr`` as XLA's sharding propagation would:
     forward from operands to results along each equation's dimension labels (into the bodies of
     calls), and back from a result to the operands computed in the program that share its
@@ -117,7 +117,7 @@ def _labels(eqn, i: int, maps: dict):
 
 
 def _merge(known: dict, fixed: set, var, axis: int, count: int) -> bool:
-    if isinstance(var, core.DropVar) or not isinstance(var, core.Var) or var in fixed:
+    if isinstance(var, jx.DropVar) or not isinstance(var, jx.Var) or var in fixed:
         return False
     current = list(known.get(var, (1,) * len(var.aval.shape)))
     if axis >= len(current) or current[axis] >= count:
@@ -128,7 +128,7 @@ def _merge(known: dict, fixed: set, var, axis: int, count: int) -> bool:
 
 
 def _forward(eqn, i: int, known: dict, fixed: set, maps: dict) -> bool:
-    operands = [known.get(a) if isinstance(a, core.Var) else None for a in eqn.invars]
+    operands = [known.get(a) if isinstance(a, jx.Var) else None for a in eqn.invars]
     if not any(operands):
         return False
     labels = _labels(eqn, i, maps)
@@ -139,7 +139,7 @@ def _forward(eqn, i: int, known: dict, fixed: set, maps: dict) -> bool:
             return False
         inner = _propagate(body.jaxpr, {v: p for v, p in zip(body.jaxpr.invars, operands) if p is not None})
         for out, var in zip(eqn.outvars, body.jaxpr.outvars):
-            for axis, count in enumerate(inner.get(var, ()) if isinstance(var, core.Var) else ()):
+            for axis, count in enumerate(inner.get(var, ()) if isinstance(var, jx.Var) else ()):
                 if count > 1:
                     changed |= _merge(known, fixed, out, axis, count)
         return changed
@@ -156,7 +156,7 @@ def _forward(eqn, i: int, known: dict, fixed: set, maps: dict) -> bool:
 
 
 def _backward(eqn, i: int, known: dict, fixed: set, maps: dict) -> bool:
-    results = [known.get(v) if not isinstance(v, core.DropVar) else None for v in eqn.outvars]
+    results = [known.get(v) if not isinstance(v, jx.DropVar) else None for v in eqn.outvars]
     if not any(results):
         return False
     labels = _labels(eqn, i, maps)
@@ -185,7 +185,7 @@ def _whole(atom) -> int:
 GATHERED_OPERANDS = frozenset({"top_k"})
 
 
-def device_bytes(jaxpr: core.Jaxpr) -> Callable[[object], int]:
+def device_bytes(jaxpr: jx.Jaxpr) -> Callable[[object], int]:
     """A function giving the bytes one device holds of a value (or literal) of ``jaxpr``: its bytes
     divided by the pieces its dimensions are cut into, when known (whole for an operand of
     :data:`GATHERED_OPERANDS`)."""
@@ -193,10 +193,10 @@ def device_bytes(jaxpr: core.Jaxpr) -> Callable[[object], int]:
     if not shards:
         return _whole
     gathered = {a for eqn in jaxpr.eqns if eqn.primitive.name in GATHERED_OPERANDS
-                for a in eqn.invars if isinstance(a, core.Var)}
+                for a in eqn.invars if isinstance(a, jx.Var)}
 
     def share(atom) -> int:
         size = _whole(atom)
-        pieces = shards.get(atom) if isinstance(atom, core.Var) and atom not in gathered else None
+        pieces = shards.get(atom) if isinstance(atom, jx.Var) and atom not in gathered else None
         return size if not pieces else -(-size // math.prod(pieces))
     return share

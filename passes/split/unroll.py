@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from jax._src import core
+from hlopass import internals as jx
 
 from hlopass.graph import DataflowGraph
 from hlopass.interpreter import Replacement, rewrite
@@ -31,8 +31,8 @@ from .rules import dim_map
 UNROLLABLE = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 
-def unroll_short_reductions(closed: core.ClosedJaxpr, report: PassReport, max_length: int,
-                            min_elements: int) -> core.ClosedJaxpr:
+def unroll_short_reductions(closed: jx.ClosedJaxpr, report: PassReport, max_length: int,
+                            min_elements: int) -> jx.ClosedJaxpr:
     """``closed`` with its short last-axis reductions unrolled (``closed`` itself if none)."""
     jaxpr = closed.jaxpr
     graph = None

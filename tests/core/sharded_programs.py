@@ -167,10 +167,10 @@ def case_memory_limit(axis_type: str = "Auto") -> dict:
     grad_of = _loss if axis_type == "Auto" else None
     row = _compare(f"memory_limit_{axis_type}", ours, jax.jit(kernel_matvec), args, grad_of, ours)
     if axis_type == "Auto":  # the same split program compiled without the shardings: the whole arrays
-        from jax._src import core
+        from hlopass import internals as jx
         new = ours.trace(*args).rewritten_jaxpr
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in new.in_avals]
-        row["unsharded"] = _figures(jax.jit(core.jaxpr_as_fun(new)).lower(*specs).compile())
+        row["unsharded"] = _figures(jax.jit(jx.jaxpr_as_fun(new)).lower(*specs).compile())
     row["limit"] = LIMIT
     return row
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import config as jax_config
+from hlopass import internals as jx
 
 import hlopass
 
@@ -51,7 +51,7 @@ def _remat_program(x):
 def test_remat3_inside_hlopass(passes):
     """With jax_remat3 the program holds a high-level primitive: lowering needs hlopass_call's
     ``to_lojax`` rule (it raised NotImplementedError)."""
-    with jax_config.remat3(True):
+    with jx.remat3(True):
         h = hlopass.jit(_remat_program, passes=passes)
         assert "sine" in h.lower(2.0).as_text()
         np.testing.assert_allclose(h(2.0), _remat_program(2.0), rtol=1e-6)

@@ -8,7 +8,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src import test_util as jtu
+from hlopass import internals as jx
 
 import hlopass
 
@@ -85,7 +85,7 @@ def test_programs_far_below_the_limit_compile_once_under_outer_jit():
     h = hlopass.jit(lambda v: jnp.tanh(v) @ v.T)
     outer = jax.jit(lambda v: h(v) + 1)
     x = jnp.ones((30, 20))
-    with jtu.count_jit_and_pmap_lowerings() as count:
+    with jx.count_jit_and_pmap_lowerings() as count:
         outer(x)
     assert count() == 1
 
@@ -93,7 +93,7 @@ def test_programs_far_below_the_limit_compile_once_under_outer_jit():
 def test_top_level_call_compiles_once():
     h = hlopass.jit(lambda v: jnp.tanh(v) @ v.T, memory_limit="1GB")
     x = jnp.ones((30, 20))
-    with jtu.count_jit_and_pmap_lowerings() as count:
+    with jx.count_jit_and_pmap_lowerings() as count:
         for _ in range(3):
             h(x)
     assert count() == 1

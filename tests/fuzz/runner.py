@@ -33,7 +33,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
+from hlopass import internals as jx
 import numpy as np
 
 import hlopass
@@ -404,7 +404,7 @@ def largest_intermediate(program: Program) -> float | None:
         env = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         def read(v):
-            value = v.val if isinstance(v, jax_core.Literal) else env[v]
+            value = v.val if isinstance(v, jx.Literal) else env[v]
             return jnp.asarray(value, jnp.float64) if jnp.issubdtype(jnp.result_type(value), jnp.floating) else value
         for eqn in jaxpr.eqns:
             values = [read(v) for v in eqn.invars]

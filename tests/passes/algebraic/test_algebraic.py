@@ -316,15 +316,14 @@ def test_property_random_shapes(n, m, d, spelling, seed):
 
 def test_a_new_identity_is_one_small_rule():
     """A primitive the matcher does not know is a leaf; one registered rule makes it transparent."""
-    from jax.extend.core import Primitive
-    from jax.interpreters import mlir
+    from hlopass import internals as jx
 
     from hlopass.passes.algebraic import expansion as patterns
 
-    triple_p = Primitive("test_triple")
+    triple_p = jx.Primitive("test_triple")
     triple_p.def_abstract_eval(lambda x: x)
     triple_p.def_impl(lambda x: 3 * x)
-    mlir.register_lowering(triple_p, mlir.lower_fun(lambda x: 3 * x, multiple_results=False))
+    jx.register_lowering(triple_p, jx.lower_fun(lambda x: 3 * x, multiple_results=False))
     fun = lambda x, y: jnp.sum(triple_p.bind(x[:, None] - y[None]) ** 2, -1)  # noqa: E731
     x, y = points("float32")
     assert algebraic(fun).trace(x, y).report.rewrites == []  # a leaf as large as the difference

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
+from hlopass import internals as jx
 
 import hlopass
 from hlopass.call import _primitive_calls
@@ -29,7 +29,7 @@ def split_backward_footprint(loss, params, x, threshold=None) -> int:
     closed = jax.make_jaxpr(loss)(params, x)
     program = backward_program(closed, threshold)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in program.in_avals]
-    return measure(jax.jit(core.jaxpr_as_fun(program)).lower(*args).compile()).footprint
+    return measure(jax.jit(jx.jaxpr_as_fun(program)).lower(*args).compile()).footprint
 
 
 def check_grad_inside(name, layers=6, width=32, batch=256, dtype=jnp.float32, rtol=RTOL32, cut=0.2):

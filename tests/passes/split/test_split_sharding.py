@@ -7,7 +7,7 @@ on real devices: tests/core/test_sharding.py."""
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src import core
+from hlopass import internals as jx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from hlopass import settings, sharding
@@ -30,7 +30,7 @@ def mesh(kind=AxisType.Explicit):
 def traced(fn, specs, kind=AxisType.Explicit, shapes=((N, 3), (M, 3), (M,))):
     m = mesh(kind)
     with jax.sharding.use_abstract_mesh(m):
-        avals = [core.ShapedArray(s, jnp.float32, sharding=NamedSharding(m, p)) for s, p in zip(shapes, specs)]
+        avals = [jx.ShapedArray(s, jnp.float32, sharding=NamedSharding(m, p)) for s, p in zip(shapes, specs)]
         return jax.make_jaxpr(fn)(*avals)
 
 
@@ -40,7 +40,7 @@ def split_axes(report) -> list:
 
 def run_split(closed):
     new, report = SplitPass().run(closed, CONFIG)
-    core.check_jaxpr(new.jaxpr)
+    jx.check_jaxpr(new.jaxpr)
     assert [str(a) for a in new.out_avals] == [str(a) for a in closed.out_avals]  # types, shardings included
     return new, report
 
@@ -194,7 +194,7 @@ def test_shard_maps_with_different_specs_are_not_joined():
     specs = tuple(P() if isinstance(s, P) and s == P("x") else s for s in second.params["in_specs"])
     eqns = list(closed.jaxpr.eqns)
     eqns[maps[1]] = second.replace(params=dict(second.params, in_specs=specs))
-    changed = core.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
+    changed = jx.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
     assert fuse_shard_maps(changed, CONFIG.threshold)[1] == 0
     assert fuse_shard_maps(closed, CONFIG.threshold)[1] == 1
 

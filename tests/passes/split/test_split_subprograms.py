@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.extend.core import primitives
+from hlopass import internals as jx
 
 from tests.passes.split.helpers import backward_rewrites, check, split_jit, split_rewrites
 
@@ -115,7 +115,7 @@ def test_remat_and_closed_call():
     def fn(x, y, v):
         k = jax.checkpoint(lambda x, y: jnp.exp(-jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1)))(x, y)
         closed = jax.make_jaxpr(lambda k, v: jnp.tanh(k) @ v)(k, v)
-        call = primitives.closed_call_p
+        call = jx.closed_call_p
         return call.bind(k, v, **call.get_bind_params({"call_jaxpr": closed}))[0]
     check(fn, x, y, v, threshold=THRESHOLD, grad_argnums=(0, 1, 2))
 
