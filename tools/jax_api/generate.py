@@ -195,9 +195,17 @@ def parse_signature(sig: str) -> dict:
 
 
 def _walk_top(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """Top-level statements, descending into if/try/with blocks (both branches, in source order)."""
+    """Top-level statements, descending into if/try/with blocks (both branches, in source order; of
+    ``if TYPE_CHECKING:`` only the run-time branch)."""
     for stmt in body:
         if isinstance(stmt, ast.If):
+            test = _dotted(stmt.test) or ""
+            negated = isinstance(stmt.test, ast.UnaryOp) and isinstance(stmt.test.op, ast.Not)
+            if negated:
+                test = _dotted(stmt.test.operand) or ""
+            if test.split(".")[-1] == "TYPE_CHECKING":  # only what exists at run time
+                yield from _walk_top(stmt.orelse if not negated else stmt.body)
+                continue
             yield from _walk_top(stmt.body)
             yield from _walk_top(stmt.orelse)
         elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
