@@ -10,8 +10,8 @@ The door's conventions, which the checker relies on:
   partial_eval as _pe``, ``import jax.extend.core as _xcore``, ``from jax._src.lib.mlir import ir as _ir``; or names
   directly: ``from jax._src.util import safe_map``. Each imported module must exist, and each name imported directly
   must exist in its module (following re-exports such as ``from jax._src.core import Var as Var``) in EVERY
-  supported version. An import inside a ``try:`` whose handler catches ImportError, AttributeError (or Exception)
-  needs the name in AT LEAST ONE version.
+  supported version. An import inside a ``try:`` whose handler catches ImportError, AttributeError (or Exception),
+  or inside such a handler (the fallback), needs the name in AT LEAST ONE version.
 * Attribute chains on a module alias (``_core.Var``, ``_pe.dce_jaxpr(...)``, ``_ad.primitive_jvps[p]``, nested
   ``_mlir.ir.Context``, ``_core.Primitive.bind``) must resolve in EVERY version; the chain is followed through
   modules, re-exports and class members, and stops at anything else (a variable, a function, a name inside
@@ -281,6 +281,8 @@ def call_problems(sig: str, call: ast.Call, drop_first: bool = False) -> list[st
 
 def _decorator_key(decorator: str) -> str:
     """``functools.lru_cache`` -> ``lru_cache``; ``partial(api.jit)`` -> ``partial(jit)``."""
+    if decorator in ("lu.cache", "linear_util.cache"):  # caches a WrappedFun transformation: (fun, *args)
+        return decorator
     if decorator.startswith("partial(") and decorator.endswith(")"):
         return f"partial({decorator[8:-1].split('.')[-1]})"
     return decorator.split(".")[-1]
@@ -367,7 +369,12 @@ class _DoorReader(ast.NodeVisitor):
         for stmt in node.body:
             self.visit(stmt)
         self.guards.pop()
-        for part in (*node.handlers, *node.orelse, *node.finalbody):
+        guarding = any(_catches_guard(h) for h in node.handlers)
+        for handler in node.handlers:  # the fallback of a guarded import runs where the first one failed
+            self.guards.append(guarding)
+            self.visit(handler)
+            self.guards.pop()
+        for part in (*node.orelse, *node.finalbody):
             self.visit(part)
 
     visit_TryStar = visit_Try
@@ -495,30 +502,35 @@ def check(door_source: str, manifests) -> list[Problem]:
     reader = _DoorReader(tree)
     problems: list[Problem] = []
     everyone = "+".join(a.version for a in apis)
+    names_cache: dict[int, set[str]] = {}
 
-    def required_or_optional(line: int, optional: bool, exists_in, message_missing: str) -> None:
-        """exists_in(api) -> True/False/EXTERNAL; report per version (required) or once (optional)."""
+    def member_names(api: Api) -> set[str]:
+        if id(api) not in names_cache:
+            names_cache[id(api)] = api.all_member_names()
+        return names_cache[id(api)]
+
+    def required_or_optional(line: int, optional: bool, exists_in, subject: str) -> None:
+        """exists_in(api) -> True/False/EXTERNAL/None; report per version (required) or once (optional)."""
         results = [(api, exists_in(api)) for api in apis]
         if optional:
             if all(r is False or r is None for _, r in results):
-                problems.append(Problem(everyone, line, message_missing.replace(
-                    "does not exist", "exists").replace("has no member", "has member") + " in no supported version"))
+                problems.append(Problem(everyone, line, f"{subject} exists in no supported version"))
         else:
             for api, r in results:
                 if r is False or r is None:
-                    problems.append(Problem(api.version, line, message_missing))
+                    problems.append(Problem(api.version, line, f"{subject} does not exist"))
 
     for use in reader.uses:
         if use.kind == "module":
             (module,) = use.data
             required_or_optional(use.line, use.optional, lambda api: api.module_exists(module),
-                                 f"module {module} does not exist")
+                                 f"module {module}")
         elif use.kind == "from":
             module, name = use.data
             required_or_optional(
                 use.line, use.optional,
                 lambda api: api.module_exists(module) and api.member(module, name) is not None,
-                f"from {module} import {name}: no such name")
+                f"{module}.{name} (from {module} import {name})")
             for api in apis:
                 entry = api.member(module, name)
                 if isinstance(entry, dict) and entry.get("kind") == "deprecated":
@@ -533,7 +545,7 @@ def check(door_source: str, manifests) -> list[Problem]:
 
             label = "feature check of" if use.kind == "optional" else "attribute"
             required_or_optional(use.line, use.optional, resolves,
-                                 f"{label} {text} ({'.'.join([module, *attrs])}) does not exist")
+                                 f"{label} {text} ({'.'.join([module, *attrs])})")
             for api in apis:
                 entry = api.resolve_chain(module, attrs) if module in api.modules else None
                 if isinstance(entry, dict) and entry.get("kind") == "deprecated":
@@ -542,20 +554,17 @@ def check(door_source: str, manifests) -> list[Problem]:
             name, func = use.data
             if name.startswith("__") and name.endswith("__"):
                 continue
-            if not any(name in api.all_member_names() for api in apis):
-                problems.append(Problem(everyone, use.line,
-                                        f"{func}(..., {name!r}): no JAX class or module has {name} in any "
-                                        f"supported version"))
+            if not any(name in member_names(api) for api in apis):
+                problems.append(Problem(everyone, use.line, f"{func}(..., {name!r}): {name} exists in no supported "
+                                        f"version (as a member of a JAX class or a name in a JAX module)"))
         elif use.kind == "call":
             module, attrs, text, call = use.data
-            exists = []
             for api in apis:
                 if module not in api.modules:
                     continue
                 entry = api.resolve_chain(module, attrs)
                 if not isinstance(entry, dict):
                     continue
-                exists.append(api)
                 sig, drop_first = None, False
                 if entry["kind"] == "function" and _signature_trusted(entry):
                     sig = entry["sig"]
@@ -589,14 +598,14 @@ def check(door_source: str, manifests) -> list[Problem]:
                     return None
                 return api.class_member(entry, attr)
 
-            required_or_optional(line, optional, has_class, f"{key}: class {cls} does not exist")
+            required_or_optional(line, optional, has_class, f"{key}: class {cls}")
             if optional:
                 if any(has_class(api) for api in apis):
-                    required_or_optional(line, True, has_member, f"{key}: {cls} has no member {attr}")
+                    required_or_optional(line, True, has_member, f"{key}: member {cls}.{attr}")
             else:
                 for api in apis:
                     if has_class(api) and has_member(api) is None:
-                        problems.append(Problem(api.version, line, f"{key}: {cls} has no member {attr}"))
+                        problems.append(Problem(api.version, line, f"{key}: member {cls}.{attr} does not exist"))
     unique: list[Problem] = []
     for problem in problems:
         if problem not in unique:

@@ -244,6 +244,9 @@ class _Module:
         self.names: dict[str, dict] = {}
         self.star_imports: list[str] = []
         self.has_getattr = False
+        # one walk of the tree serves the primitive searches
+        self.nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Call))]
+        self.calls = [n for n in self.nodes if isinstance(n, ast.Call)]
 
     def _absolute(self, node: ast.ImportFrom) -> str:
         if not node.level:
@@ -415,6 +418,8 @@ class _Module:
                             slots = self._slots(stmt.value)
                         else:
                             attrs.add(name)
+                            methods.pop(name, None)  # a later `name = ...` replaces an earlier def
+                            method_kinds.pop(name, None)
             elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 if stmt.target.id == "__slots__":
                     slots = self._slots(stmt.value)
@@ -492,7 +497,7 @@ class _Module:
 
         # assignments first (they know the variable), then every other constructor call
         top_level = {id(s) for s in _walk_top(self.tree.body)}
-        for node in ast.walk(self.tree):
+        for node in self.nodes:
             value, names = None, []
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 value, names = node.value, [n for t in node.targets for n in _targets(t)]
@@ -506,17 +511,15 @@ class _Module:
                 record(value, var, "class")
             elif names[0].endswith("_p") and var is not None:
                 record(value, var, "helper")
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.Call) and id(node) not in seen and is_primitive_class(node):
+        for node in self.calls:
+            if id(node) not in seen and is_primitive_class(node):
                 record(node, None, "class")
         return found
 
     def bound_with_jaxpr(self) -> list[tuple[str, str]]:
         """(variable, reason) for ``X_p.bind(..., call_jaxpr=/jaxpr=)`` and ``new_jaxpr_eqn(.., X_p, dict(jaxpr=..))``."""
         out: list[tuple[str, str]] = []
-        for node in ast.walk(self.tree):
-            if not isinstance(node, ast.Call):
-                continue
+        for node in self.calls:
             dotted = _dotted(node.func) or ""
             head, _, method = dotted.rpartition(".")
             if method in ("bind", "bind_with_trace") and head:
