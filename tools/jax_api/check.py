@@ -21,9 +21,10 @@ The door's conventions, which the checker relies on:
   Assignments (``_mod.name = ...``, monkey-patching) are checked like reads.
 * Feature checks name optional things: ``getattr(_mod, "name", default)``, ``hasattr(_mod, "name")`` and the door's
   helper ``_optional(_mod, "name")`` need the name in AT LEAST ONE version (otherwise the code is dead: reported).
-  ``getattr(_mod, "name")`` without a default is a plain read (every version). ``hasattr(obj, "attr")`` and
-  ``getattr(obj, "attr", default)`` on anything that is not a module alias need ``attr`` to be a class member or a
-  top-level name somewhere in at least one version (best effort; dunder names are not checked).
+  ``getattr(_mod, "name")`` without a default is a plain read (every version). ``hasattr(obj, "attr")`` on anything
+  that is not a module alias needs ``attr`` to be a member of some JAX class (or a NamedTuple member, or a
+  top-level name of a JAX module) in at least one version (best effort; dunder names are not checked;
+  ``getattr(obj, "attr", default)`` on non-modules is not checked: it is too often used on hlopass's own objects).
 * Calls whose callee resolves to a function or class (``_pe.dce_jaxpr(j, used, instantiate=True)``,
   ``_core.Var(aval)``, ``safe_map(f, xs)``) are checked against the signature in every version where the callee
   exists: number of positional arguments, keyword names (unknown ones, positional-only ones, ones filled twice)
@@ -231,7 +232,7 @@ class Api:
         return None
 
     def all_member_names(self) -> set[str]:
-        names: set[str] = set()
+        names: set[str] = set(NAMEDTUPLE_MEMBERS)
         for info in self.modules.values():
             for name, entry in info["names"].items():
                 names.add(name)
@@ -446,7 +447,7 @@ class _DoorReader(ast.NodeVisitor):
                 required = func == ["getattr"] and len(node.args) == 2 and not self.guarded
                 self.uses.append(_Use("chain" if required else "optional", node.lineno, not required,
                                       (module, attrs, ".".join([*target, name]))))
-            elif func != ["_optional"] and not (func == ["getattr"] and len(node.args) == 2):
+            elif func == ["hasattr"]:
                 self.uses.append(_Use("anyattr", node.lineno, True, (name, func[0])))
             for arg in node.args:
                 self.visit(arg)
