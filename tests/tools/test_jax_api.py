@@ -189,6 +189,22 @@ def test_optional_names_need_one_version_and_are_reported_when_in_none(both):
     assert all(p.version == "0.10.2+0.11.2" and "no supported version" in p.message for p in problems)
 
 
+def test_chains_on_a_module_imported_under_a_guard_are_optional(both):
+    door = ("from jax._src import tree_util as _tu\n"
+            "try:\n"
+            "    from jax._src import flattree as _ft\n"             # 0.11.2 only
+            "except ImportError:\n"
+            "    _ft = None\n"
+            "def flatten(tree):\n"
+            "    if _ft is None:\n"
+            "        return _tu.FlatTree.flatten(tree)\n"            # 0.10.2 only, not guarded: reported
+            "    return _ft.flatten(tree)\n"                          # 0.11.2 only, guarded import: fine
+            "def unflatten(x):\n"
+            "    return _ft.no_such_function(x)\n")                   # nowhere
+    problems = api_check.check(door, both)
+    assert sorted((p.line, p.version) for p in problems) == [(8, "0.11.2"), (11, "0.10.2+0.11.2")], problems
+
+
 def test_attributes_read_on_jax_objects(both):
     door = ("ATTRIBUTES_READ = {\n"
             "    'jax._src.core.Jaxpr': ('eqns', 'invars', 'constvars', 'outvars', 'effects', 'debug_info'),\n"

@@ -18,6 +18,8 @@ The door's conventions, which the checker relies on:
   jaxlib, a module with a star import from outside JAX or a module-level ``__getattr__``: those are not checked).
   Inside ``try:`` (handler catching AttributeError/ImportError/Exception) or under ``if hasattr(_mod, "name")``
   (either branch; also with ``and``/``or``/``not``), ``_mod.name`` is optional: it must exist in at least one version.
+  So is every chain on an alias imported under such a ``try:`` (``try: from jax._src import flattree as _ft`` /
+  ``except ImportError: _ft = None``, then ``_ft.flatten(...)`` anywhere).
   Assignments (``_mod.name = ...``, monkey-patching) are checked like reads.
 * Feature checks name optional things: ``getattr(_mod, "name", default)``, ``hasattr(_mod, "name")`` and the door's
   helper ``_optional(_mod, "name")`` need the name in AT LEAST ONE version (otherwise the code is dead: reported).
@@ -337,11 +339,19 @@ class _DoorReader(ast.NodeVisitor):
         self.uses: list[_Use] = []
         self.guards: list[bool] = []  # inside try/except ImportError...
         self.hasattr_guards: list[set[tuple[str, str]]] = []
+        self.optional_roots: set[str] = set()  # names imported under a guarding try: (or its handler)
         self._collect_imports(tree)
         self.visit(tree)
 
     # imports: all of them, anywhere, first (aliases are used before definition order matters)
     def _collect_imports(self, tree: ast.Module) -> None:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try) and any(_catches_guard(h) for h in node.handlers):
+                for part in (*node.body, *node.handlers):
+                    for sub in ast.walk(part):
+                        if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                            self.optional_roots.update(
+                                (a.asname or a.name.split(".")[0]) for a in sub.names if a.name != "*")
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
@@ -430,7 +440,7 @@ class _DoorReader(ast.NodeVisitor):
         if chain and (root := self._root(chain[0])) is not None:
             module, path = root
             attrs = [*path, *chain[1:]]
-            optional = self.guarded or self._hasattr_guarded(chain)
+            optional = self.guarded or self._hasattr_guarded(chain) or chain[0] in self.optional_roots
             self.uses.append(_Use("chain", node.lineno, optional, (module, tuple(attrs), ".".join(chain))))
             return
         self.generic_visit(node)
@@ -456,7 +466,7 @@ class _DoorReader(ast.NodeVisitor):
             return
         if func and (root := self._root(func[0])) is not None:
             module, path = root
-            optional = self.guarded or self._hasattr_guarded(func)
+            optional = self.guarded or self._hasattr_guarded(func) or func[0] in self.optional_roots
             self.uses.append(_Use("call", node.lineno, optional, (module, (*path, *func[1:]), ".".join(func), node)))
         self.generic_visit(node)
 
