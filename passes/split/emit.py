@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -66,6 +67,9 @@ class LoopPlan:
     unroll: bool = False
     #: a step's ``top_k`` over a long row selects in two levels (``select.py``)
     grouped_top_k: bool = True
+    #: a step's product with a thin operand is bound as a multiply and a sum (accelerators, where
+    #: XLA fuses it with the computation of the other operand)
+    fuse_thin_dots: bool = False
 
     @functools.cached_property
     def carried(self) -> list:
@@ -217,7 +221,8 @@ class LoopPlan:
             if monoid == "add" and _is_low_float(eqn.outvars[0].aval.dtype):
                 # partial products stay in float32 until the end, as XLA accumulates one dot
                 params = {**params, "preferred_element_type": jnp.dtype(jnp.float32)}
-            outs = _bind_dot(eqn, invals, params)
+            fused = _thin_dot_as_sum(invals, params) if self.fuse_thin_dots else None
+            outs = [fused] if fused is not None else _bind_dot(eqn, invals, params)
         else:
             outs = bind_equation(eqn, invals, params)
         if eqn.primitive.name in NAN_PROPAGATING and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
@@ -457,6 +462,36 @@ class LoopPlan:
         best, where = bind_equation(eqn, [values])
         new_state[slots[0]] = best
         new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
+
+
+#: A ``dot_general`` operand is thin when its free dimensions hold at most this many elements.
+THIN_DOT_ELEMENTS = 8
+#: ...and the product is bound as a sum only when the other operand is at least this large.
+THIN_DOT_MIN_OTHER = 2**20
+
+
+def _thin_dot_as_sum(invals, params):
+    """``dot_general`` of a large operand with a thin one (a vector, a few columns) as a broadcast
+    multiply and a sum over the contracting dimensions, or ``None`` when the product is not of that
+    shape. Same value up to the order of additions; on a GPU XLA fuses the sum with the elementwise
+    work that computes the large operand, which a matrix-vector call cannot."""
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs = invals
+    lshape, rshape = jnp.shape(lhs), jnp.shape(rhs)
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    thin = lambda shape, free: math.prod(shape[d] for d in free) <= THIN_DOT_ELEMENTS  # noqa: E731
+    if not (thin(rshape, rfree) and math.prod(lshape) >= THIN_DOT_MIN_OTHER) and \
+            not (thin(lshape, lfree) and math.prod(rshape) >= THIN_DOT_MIN_OTHER):
+        return None
+    dtype = params.get("preferred_element_type") or jnp.result_type(lhs, rhs)
+    nb, nl, nr, nc = len(lb), len(lfree), len(rfree), len(lc)
+    # lhs as (batch, lhs free, contracting, 1 per rhs free); rhs as (batch, 1 per lhs free, contracting, rhs free)
+    left = lax.transpose(lhs, (*lb, *lfree, *lc)).astype(dtype)
+    left = lax.expand_dims(left, tuple(range(nb + nl + nc, nb + nl + nc + nr)))
+    right = lax.transpose(rhs, (*rb, *rc, *rfree)).astype(dtype)
+    right = lax.expand_dims(right, tuple(range(nb, nb + nl)))
+    return jnp.sum(left * right, axis=tuple(range(nb + nl, nb + nl + nc)))
 
 
 def _bind_dot(eqn, invals, params) -> list:
