@@ -1,4 +1,4 @@
-"""The house: import layers (import-linter), no cycles, packaging, and the README's map of the code."""
+"""The house: import layers (import-linter), no cycles, packaging, and the map of the code in docs/architecture.md."""
 
 import ast
 import os
@@ -80,11 +80,11 @@ def test_the_explain_function_does_not_shadow_a_module():
 
 
 def _readme_tree() -> set[str]:
-    """The paths of the README's map: one name per line, indented two spaces per folder level."""
-    with open(os.path.join(ROOT, "README.md")) as handle:
+    """The paths of the map in docs/architecture.md: one name per line, indented two spaces per folder level."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as handle:
         text = handle.read()
     block = re.search(r"<!-- house:start -->\s*```\n(.*?)```\s*<!-- house:end -->", text, re.DOTALL)
-    assert block, "README.md lacks the house map between <!-- house:start --> and <!-- house:end -->"
+    assert block, "docs/architecture.md lacks the house map between <!-- house:start --> and <!-- house:end -->"
     paths, stack = set(), []
     for line in block.group(1).splitlines():
         if not line.strip():
@@ -108,8 +108,8 @@ def test_readme_map_names_every_module():
             rel = os.path.relpath(folder, ROOT).replace(os.sep, "/")
             actual.add(rel)
             actual.update(f"{rel}/{name}" for name in files if name.endswith(".py"))
-    assert mapped == actual, (f"in the README but not in the tree: {sorted(mapped - actual)}; "
-                              f"in the tree but not in the README: {sorted(actual - mapped)}")
+    assert mapped == actual, (f"in docs/architecture.md but not in the tree: {sorted(mapped - actual)}; "
+                              f"in the tree but not in docs/architecture.md: {sorted(actual - mapped)}")
 
 
 def test_every_pass_package_says_what_it_matches_emits_and_leaves_alone():
