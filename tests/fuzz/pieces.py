@@ -4,7 +4,8 @@ A random program (see :mod:`tests.fuzz.programs`) is a pipeline of pieces:
 
     small inputs ─[input]*─▶ x, y ─[expand]─▶ A (large) ─[map]*─▶ A ─[reduce]─▶ out ─[post]*─▶ out
 
-wrapped by at most one ``wrap`` piece. ``expand`` builds a tensor larger than the threshold from small
+wrapped by at most one ``wrap`` piece; a ``custom`` piece may put ``[map]* ─▶ [reduce]`` inside a
+function with custom derivatives (its rule the true derivative, so the numbers stay those of the program). ``expand`` builds a tensor larger than the threshold from small
 inputs, ``map`` pieces keep it large, ``reduce`` makes it small again: the shape every pass looks for
 (a split region, an expanded distance, a product chain). ``input`` pieces act on the small operands
 before they meet, ``post`` pieces on the small result.
@@ -45,7 +46,7 @@ class Piece:
     weight: float = 1.0         # relative frequency within its role
 
 
-PIECES: dict[str, dict[str, Piece]] = {r: {} for r in ("input", "expand", "map", "reduce", "post", "wrap")}
+PIECES: dict[str, dict[str, Piece]] = {r: {} for r in ("input", "expand", "map", "reduce", "post", "wrap", "custom")}
 
 
 def piece(role: str, name: str, **meta):
@@ -569,3 +570,47 @@ def _wgrad(r, c):
             return jax.value_and_grad(loss, argnums=tuple(range(len(data))))(*[args[k] for k in data])
         return grads
     return wrap, None, "value_and_grad(linear functional)"
+
+
+# --------------------------------------------------------------------------------------------- custom
+# make(r, c) -> (wrap(stage) -> stage, description): ``stage(value, args)`` is the large value's maps and
+# reducer; the wrapped stage computes the same inside a custom_jvp / custom_vjp function, whose rule is
+# the stage's own derivative (written as optimal-transport libraries write theirs: a non-array
+# ``nondiff_argnums`` argument, the rule taking it first). Drawn after everything else (programs.py),
+# so a seed's program is otherwise the one it drew before these pieces existed.
+@piece("custom", "custom_jvp", dtypes=FLOATS)
+def _ccustom_jvp(r, c):
+    def wrap(stage):
+        import functools
+
+        @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+        def inner(value, scale, args):
+            return stage(value * scale, list(args))
+
+        @inner.defjvp
+        def rule(scale, primals, tangents):
+            (value, args), (dvalue, dargs) = primals, tangents
+            return jax.jvp(lambda v, a: stage(v * scale, list(a)), (value, args), (dvalue, dargs))
+
+        return lambda value, args: inner(value, 1, tuple(args))
+    return wrap, "custom_jvp(maps+reduce, nondiff scale)"
+
+
+@piece("custom", "custom_vjp", dtypes=FLOATS)
+def _ccustom_vjp(r, c):
+    def wrap(stage):
+        import functools
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+        def inner(value, scale, args):
+            return stage(value * scale, list(args))
+
+        def fwd(value, scale, args):
+            return inner(value, scale, args), (value, args)
+
+        def bwd(scale, res, ct):
+            return jax.vjp(lambda v, a: stage(v * scale, list(a)), *res)[1](ct)
+
+        inner.defvjp(fwd, bwd)
+        return lambda value, args: inner(value, 1, tuple(args))
+    return wrap, "custom_vjp(maps+reduce, nondiff scale)"

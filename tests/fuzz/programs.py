@@ -271,8 +271,11 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
     pieces.append(f"reduce:{reducer.name}")
     notes.append(desc)
 
+    def stage(value, args):
+        return f_reduce(_chain(maps, value, args), args)
+
     def reduced(args):
-        return f_reduce(_chain(maps, large(args), args), args)
+        return stage(large(args), args)
 
     posts = []
     for _ in range(r.choice([0, 0, 0, 1, 1, 2])):
@@ -301,10 +304,20 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
     specials = ""
     if dtype != "int32" and r.boolean(0.2):
         specials = r.choice(["nan", "inf", "nan+inf"])
+    input_seed = r.integer(0, 2**31 - 1)
+    # drawn last, so that every earlier choice of a seed is what it was before this piece existed
+    if not reducer.indices and r.boolean(0.15):
+        table = [p for p in PIECES["custom"].values() if dtype in p.dtypes]
+        if table:
+            custom = r.choice(table)
+            wrap_stage, desc = custom.make(r, ctx)
+            stage = wrap_stage(stage)
+            pieces.append(f"custom:{custom.name}")
+            notes.append(desc)
     description = (f"{dtype} n={n} m={m} d={d}{' grid' if grid else ''}{' ' + specials if specials else ''} | "
                    + " | ".join(notes))
     return Program(label=label, dtype=dtype, pieces=tuple(pieces), description=description, inputs=ctx.inputs,
-                   fn=program, input_seed=r.integer(0, 2**31 - 1), grid=grid, specials=specials,
+                   fn=program, input_seed=input_seed, grid=grid, specials=specials,
                    indices=reducer.indices, batch_axis=batch_axis,
                    exact=grid and all(PIECES[p.split(":")[0]][p.split(":")[1]].exact for p in pieces))
 
