@@ -313,6 +313,26 @@ def bench_sgpr_scale() -> str:
             + _source("sgpr_scale.json"))
 
 
+def bench_gpu() -> str:
+    data = _load("gpu.json")
+    rows = []
+    for case in data["cases"]:
+        plain = {r.get("quantity"): r for r in case.get("rows", []) if r["column"].startswith("plain")
+                 and r["status"] == "ok"}
+        for r in case.get("rows", []):
+            base = plain.get(r.get("quantity"))
+            ok = r["status"] == "ok"
+            ratio = f"{base['median_s'] / r['median_s']:.2f}" if ok and base and base is not r else ""
+            exact = ("" if "rows_wrong" not in r else f"{r['rows_wrong']} of {r['rows_checked']} rows wrong")
+            rows.append([case["case"], r["column"], r.get("quantity", ""), _s(r.get("median_s")) if ok else "failed",
+                         _bytes(r.get("temp_bytes")) if ok else r.get("error", "")[:60], ratio, exact])
+        if "rows" not in case:
+            rows.append([case["case"], "", "", case.get("status", ""), case.get("error", "")[:60], "", ""])
+    return (f"{data['device']}, JAX {data['jax']}: {data['what']}\n\n"
+            + _table(["case", "column", "quantity", "call (median)", "XLA temp", "x plain", "neighbours"], rows)
+            + _source("gpu.json"))
+
+
 # ---------------------------------------------------------------- a real dump
 
 _DUMP: dict[str, str] = {}
