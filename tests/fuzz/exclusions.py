@@ -43,6 +43,11 @@ EXCLUSIONS: list[Exclusion] = [
     Exclusion("test_split_softmax_of_a_cube_follows_xla_fma_contraction",
               lambda p, mode: not p.grid and p.has("map:cube") and p.has("reduce:softmax_matvec"),
               deviation="README, The split pass, Fused multiply-add"),
+    # split: a logsumexp of a cube off the grid (logits to 417,000, step 0.03): the split recomputes the cube
+    # in a second loop and rounds as the same two loops written by hand (r310525650708)
+    Exclusion("test_split_logsumexp_of_a_cube_rounds_as_chunked_by_hand",
+              lambda p, mode: not p.grid and p.has("map:cube") and p.has("reduce:logsumexp"),
+              deviation="README, The split pass, Fused multiply-add"),
     # split: the same with a square, whose logits reach the tens of thousands: a chunk of rows rounds
     # otherwise than the whole in XLA:CPU's kernels and fusions, by hand as in hlopass (r73655148886)
     Exclusion("test_split_softmax_of_squared_logits_rounds_as_chunked_by_hand",
