@@ -1,0 +1,308 @@
+"""Where hlopass's first call goes: trace, each pass, the never-worse comparison, lowering and XLA
+compile, against ``jax.jit``'s first call, on programs written with popular JAX libraries.
+
+    python -m tools.bench_compile [--programs a,b] [--json tools/results/compile.json]
+
+Each program runs in its own child process (so no cache of one column helps another), at two
+settings: ``nothing`` (hlopass's defaults: nothing is above the threshold) and ``forced`` (a
+threshold a tenth of the program's largest intermediate, so the passes rewrite). Per column: the
+first call of a fresh function object (trace + passes + lower + compile + run), and for hlopass its
+parts: tracing (``f.trace``), the passes (each pass's own time from the report), lowering
+(``.lower`` after tracing, which includes the never-worse comparison's compiles when it makes one)
+and XLA's compile. The libraries (flax, optax, numpyro, ott-jax, jax-md, tinygp) are the
+``compile-bench`` extra: ``bash tools/setup.sh compile-bench``; a program whose library is missing is
+reported as such, not skipped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RESULT = "BENCH_COMPILE_RESULT "
+TIMEOUT_S = 600
+
+
+# -- the programs: each returns (function, args) -------------------------------------------------
+
+def transformer_adam():
+    """A 2-layer Transformer language model (flax.linen, width 256, sequence 1024, batch 4) and one
+    Adam step (optax): loss, gradient, update."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            h = nn.SelfAttention(num_heads=4, deterministic=True)(h, mask=nn.make_causal_mask(x[..., 0]))
+            x = x + h
+            h = nn.Dense(1024)(nn.LayerNorm()(x))
+            return x + nn.Dense(256)(nn.gelu(h))
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(1000, 256)(tokens)
+            for _ in range(2):
+                x = Block()(x)
+            return nn.Dense(1000)(nn.LayerNorm()(x))
+
+    model, tx = LM(), optax.adam(1e-3)
+    tokens = jnp.zeros((4, 1024), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)
+    state = tx.init(params)
+
+    def step(params, state, tokens):
+        def loss(p):
+            logits = model.apply(p, tokens)
+            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    return step, (params, state, tokens)
+
+
+def cnn_sgd():
+    """A small CNN (flax.linen: three conv layers, 64 images of 64 x 64 x 3) and an SGD step (optax)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for features in (32, 64, 64):
+                x = nn.relu(nn.Conv(features, (3, 3))(x))
+                x = nn.avg_pool(x, (2, 2), (2, 2))
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    model, tx = CNN(), optax.sgd(0.1)
+    images, labels = jnp.ones((64, 64, 64, 3)), jnp.zeros((64,), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), images)
+    state = tx.init(params)
+
+    def step(params, state, images, labels):
+        def loss(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, images), labels).mean()
+        grads = jax.grad(loss)(params)
+        updates, state = tx.update(grads, state)
+        return optax.apply_updates(params, updates), state
+
+    return step, (params, state, images, labels)
+
+
+def attention_grad():
+    """Multi-head attention (flax.linen, 8 heads, width 512, sequence 2048, batch 2): loss and gradient."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    layer = nn.MultiHeadDotProductAttention(num_heads=8, qkv_features=512, deterministic=True)
+    x = jnp.ones((2, 2048, 512))
+    params = layer.init(jax.random.PRNGKey(0), x, x)
+
+    def loss_and_grad(params, x):
+        return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(layer.apply(p, x, x))))(params)
+
+    return loss_and_grad, (params, x)
+
+
+def gp_marginal_likelihood():
+    """An exact GP's negative log marginal likelihood and its gradient (tinygp, n = 2,000, d = 3)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import tinygp
+
+    x = np.random.default_rng(0).uniform(size=(2000, 3))
+    y = np.sin(x.sum(1))
+
+    def nll(log_params, x, y):
+        kernel = jnp.exp(log_params[0]) * tinygp.kernels.ExpSquared(jnp.exp(log_params[1]))
+        return -tinygp.GaussianProcess(kernel, x, diag=jnp.exp(log_params[2])).log_probability(y)
+
+    return jax.value_and_grad(nll), (jnp.zeros(3), x, y)
+
+
+def sgpr_bound():
+    """The project's SGPR bound and gradient (fixtures.gp, float32 here: n = 20,000, m = 200, d = 5)."""
+    import numpy as np
+    from fixtures.gp import make_sgpr, sgpr_value_and_grad
+    return sgpr_value_and_grad, make_sgpr(20_000, 200, 5, dtype=np.float32)
+
+
+def numpyro_potential():
+    """A hierarchical logistic regression's potential energy and its gradient (numpyro, 5,000 x 20)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.infer.util import initialize_model
+
+    rng = np.random.default_rng(0)
+    X, y = rng.standard_normal((5000, 20)), rng.integers(0, 2, 5000)
+
+    def model(X, y):
+        scale = numpyro.sample("scale", dist.HalfNormal(1.0))
+        w = numpyro.sample("w", dist.Normal(jnp.zeros(20), scale))
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+    info = initialize_model(jax.random.PRNGKey(0), model, model_args=(X, y))
+    potential = info.potential_fn
+    return jax.value_and_grad(potential), (info.param_info.z,)
+
+
+def ott_sinkhorn():
+    """An entropic optimal-transport solve between two point clouds and its gradient (ott-jax Sinkhorn,
+    1,000 x 1,200 points in d = 3)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from ott.geometry import pointcloud
+    from ott.problems.linear import linear_problem
+    from ott.solvers.linear import sinkhorn
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((1000, 3)), rng.standard_normal((1200, 3)) + 0.5
+
+    def cost(x, y):
+        geom = pointcloud.PointCloud(x, y, epsilon=0.1)
+        return sinkhorn.Sinkhorn(max_iterations=50)(linear_problem.LinearProblem(geom)).reg_ot_cost
+
+    return jax.value_and_grad(cost), (jnp.asarray(x), jnp.asarray(y))
+
+
+def jaxmd_forces():
+    """A Lennard-Jones energy and forces of 2,000 particles in a periodic box (jax-md)."""
+    import jax
+    import numpy as np
+    from jax_md import energy, space
+
+    box = 20.0
+    displacement, _ = space.periodic(box)
+    positions = np.random.default_rng(0).uniform(0, box, (2000, 3))
+    energy_fn = energy.lennard_jones_pair(displacement)
+    return jax.value_and_grad(energy_fn), (positions,)
+
+
+def knn():
+    """The project's kNN (fixtures.knn, 2,000 queries among 100,000 points, d = 3, k = 10)."""
+    import numpy as np
+    from fixtures.knn import knn_l2
+    rng = np.random.default_rng(0)
+    return (lambda q, p: knn_l2(q, p, 10)), (rng.standard_normal((2000, 3), np.float32),
+                                             rng.standard_normal((100_000, 3), np.float32))
+
+
+PROGRAMS = {f.__name__: f for f in (transformer_adam, cnn_sgd, attention_grad, gp_marginal_likelihood, sgpr_bound,
+                                     numpyro_potential, ott_sinkhorn, jaxmd_forces, knn)}
+
+
+# -- one program in a child ------------------------------------------------------------------------
+
+def _largest_intermediate(fn, args) -> int:
+    import jax
+    from hlopass.jaxpr_utils import largest_values
+    rows = largest_values(jax.make_jaxpr(fn)(*args), limit=1)
+    return rows[0][1] if rows else 0
+
+
+def _staged(f, args) -> dict:
+    """Trace, lower, compile and run ``f`` (a jitted function, fresh) once, timing each stage."""
+    import jax
+    times, start = {}, time.perf_counter()
+    traced = f.trace(*args)
+    times["trace_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    lowered = traced.lower()
+    times["lower_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    times["compile_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times["run_s"] = time.perf_counter() - start
+    times["first_call_s"] = sum(times.values())
+    return times, traced
+
+
+def measure(name: str, column: str) -> dict:
+    """One column of one program, in this (fresh) process: ``plain``, ``nothing`` or ``forced``."""
+    import jax
+    import hlopass
+    fn, args = PROGRAMS[name]()
+    if column == "plain":
+        times, _ = _staged(jax.jit(fn), args)
+        return {**times, "largest_intermediate_bytes": _largest_intermediate(fn, args)}
+    kwargs = {} if column == "nothing" else {"threshold": max(_largest_intermediate(fn, args) // 10, 1)}
+    times, traced = _staged(hlopass.jit(fn, **kwargs), args)
+    report = traced.report
+    times["passes_s"] = {p.name: p.seconds for p in report.passes}
+    times["rewrites"] = sum(len(p.rewrites) for p in report.passes)
+    return times
+
+
+def run_child(name: str, column: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        done = subprocess.run([sys.executable, "-m", "tools.bench_compile", "--child", f"{name}:{column}"],
+                              cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"status": f"no result after {TIMEOUT_S} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-2:]
+    return {"status": "failed: " + " | ".join(tail)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--programs", default=",".join(PROGRAMS))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, column = args.child.split(":")
+        print(RESULT + json.dumps(measure(name, column)), flush=True)
+        return 0
+    rows = []
+    print(f"{'program':<24} {'plain':>7} {'nothing':>8} {'ratio':>6} {'forced':>8} {'ratio':>6}  "
+          "slowest parts (forced)")
+    for name in args.programs.split(","):
+        row = {"program": name, "doc": PROGRAMS[name].__doc__.split("\n")[0],
+               **{column: run_child(name, column) for column in ("plain", "nothing", "forced")}}
+        rows.append(row)
+        failed = [c for c in ("plain", "nothing", "forced") if "first_call_s" not in row[c]]
+        if failed:
+            reasons = "; ".join(f"{c}: {row[c].get('status')}" for c in failed)
+            print(f"{name:<24} {reasons}")
+            continue
+        row["plain_first_call_s"] = row["plain"]["first_call_s"]
+        n, f = row["nothing"], row["forced"]
+        for col in (n, f):
+            col["ratio_first_call"] = col["first_call_s"] / row["plain_first_call_s"]
+        parts = sorted(f["passes_s"].items(), key=lambda kv: -kv[1])[:2]
+        parts_text = ", ".join(f"{k} {v:.2f} s" for k, v in parts)
+        print(f"{name:<24} {row['plain_first_call_s']:7.2f} {n['first_call_s']:8.2f} {n['ratio_first_call']:6.2f} "
+              f"{f['first_call_s']:8.2f} {f['ratio_first_call']:6.2f}  trace {f['trace_s']:.2f} s, {parts_text}, "
+              f"lower {f['lower_s']:.2f} s, compile {f['compile_s']:.2f} s ({f['rewrites']} rewrites)", flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
