@@ -37,9 +37,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from hlopass.inspection.demo import RESULT_MARKER, report_result, short_error  # noqa: F401 - shared with the children
-from hlopass.inspection.demo import run_capped as _demo_run_capped
-
 #: The repository's root folder.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Where the benchmarks write their figures (the documentation reads them).
@@ -220,7 +217,7 @@ def module_argv(module: str, *args: str) -> list[str]:
     return ["-m", module if module.startswith("tools.") else f"tools.{module}", *args]
 
 
-def run_capped(argv: list[str], cap_bytes: int | None, timeout: float = 3600, env: dict | None = None,
+def run_capped(argv: list[str], cap_bytes: int | None, timeout: float = 600, env: dict | None = None,
                platforms: str | None = "cpu", keep: Iterable[str] = ("process_seconds", "peak_rss_bytes")) -> dict:
     """Run ``python argv...`` (e.g. :func:`module_argv`) in a child under an address-space cap of
     ``cap_bytes`` (``None``: none) with the root on its ``PYTHONPATH``, and return the JSON the child
@@ -230,10 +227,23 @@ def run_capped(argv: list[str], cap_bytes: int | None, timeout: float = 3600, en
     child_env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
                  "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "") if platforms is None else platforms,
                  **(env or {})}
-    result = _demo_run_capped(argv, cap_bytes, timeout=timeout, env=child_env)
+    from hlopass.inspection import demo
+    result = demo.run_capped(argv, cap_bytes, timeout=timeout, env=child_env)
     for name in {"process_seconds", "peak_rss_bytes"} - set(keep):
         result.pop(name, None)
     return result
+
+
+def report_result(result: dict) -> None:
+    """In a child: print ``result`` (with the child's peak RSS) as the line :func:`run_capped` reads."""
+    from hlopass.inspection import demo
+    demo.report_result(result)
+
+
+def short_error(err: BaseException) -> str:
+    """The first line of an error that says what ran out (``RESOURCE_EXHAUSTED: ...``)."""
+    from hlopass.inspection import demo
+    return demo.short_error(err)
 
 
 def cap_address_space(cap_bytes: int) -> None:
@@ -251,6 +261,15 @@ def write_json(path: str | os.PathLike | None, data, indent: int = 2, **kwargs) 
     os.makedirs(folder, exist_ok=True)
     with open(path, "w") as handle:
         json.dump(data, handle, indent=indent, **kwargs)
+
+
+def write_csv(path: str, rows: Iterable[dict], fields: Sequence[str]) -> None:
+    """``rows`` as CSV with the columns ``fields`` (other keys left out, missing ones empty)."""
+    import csv
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def without(rows: Iterable[dict], *keys: str) -> list[dict]:
