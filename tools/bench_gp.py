@@ -137,10 +137,7 @@ def sgpr_scale_child(column: str, n: int, m: int, d: int) -> dict:
     try:
         args = gp.make_sgpr(n, m, d)
         jitted = jax.jit(gp.sgpr_value_and_grad) if column == "plain" else hlopass.jit(gp.sgpr_value_and_grad)
-        with harness.stopwatch() as clock:
-            lowered = jitted.lower(*args)
-            compiled = lowered.compile()
-        result["compile_seconds"] = clock.seconds
+        lowered, compiled, result["compile_seconds"] = harness.compile_timed(jitted, args)
         result["xla_temp_bytes"] = harness.temp_bytes(compiled)
         if column == "hlopass":
             result["rewrites"] = [str(r) for r in lowered.report.rewrites]

@@ -46,9 +46,7 @@ def measure(M: int, variant: str, args, repeats: int) -> dict[str, dict]:
     """Per method: temp bytes, best-of-``repeats`` seconds (the methods called in turns) and the result."""
     compiled, compile_s = {}, {}
     for method in METHODS:
-        with harness.stopwatch() as clock:
-            compiled[method] = build(method, M, variant).lower(*args).compile()
-        compile_s[method] = clock.seconds
+        _, compiled[method], compile_s[method] = harness.compile_timed(build(method, M, variant), args)
     timings = harness.time_calls({m: functools.partial(c, *args) for m, c in compiled.items()}, repeats)
     return {m: {"method": m, "M": M, "variant": variant, "temp_bytes": harness.temp_bytes(compiled[m]),
                 "seconds": timings[m].best, "compile_seconds": compile_s[m], "result": np.asarray(timings[m].out)}

@@ -49,9 +49,8 @@ def steady(fn, repeat: int = 5) -> float:
 
 def temp_of(jitted, args) -> tuple[int, float]:
     """XLA temp bytes and compile seconds of ``jitted`` at ``args`` (compiled ahead of time)."""
-    with harness.stopwatch() as clock:
-        compiled = jitted.lower(*args).compile()
-    return harness.temp_bytes(compiled), clock.seconds
+    _, compiled, seconds = harness.compile_timed(jitted, args)
+    return harness.temp_bytes(compiled), seconds
 
 
 def plain_row(make, args) -> dict:

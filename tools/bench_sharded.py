@@ -49,9 +49,8 @@ def _timed(columns: dict, args, repeats: int) -> dict[str, tuple]:
     median call, the columns called in turns)."""
     figures = {}
     for name, fn in columns.items():
-        with harness.stopwatch() as clock:
-            compiled = fn.lower(*args).compile()
-        figures[name] = {**harness.memory_figures(compiled), "compile_s": clock.seconds}
+        _, compiled, compile_s = harness.compile_timed(fn, args)
+        figures[name] = {**harness.memory_figures(compiled), "compile_s": compile_s}
     timings = harness.time_calls({name: functools.partial(fn, *args) for name, fn in columns.items()}, repeats)
     return {name: (timings[name].out, {**figures[name], "run_s": timings[name].median}) for name in columns}
 

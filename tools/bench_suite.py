@@ -265,10 +265,7 @@ def measure_column(workload: str, column: str, tiny: bool, repeats: int) -> dict
             result["compile_seconds"] = clock.seconds
         else:
             jitted = hlopass.jit(fun, **settings) if column == "hlopass" else jax.jit(fun)
-            with harness.stopwatch() as clock:
-                lowered = jitted.lower(*inputs)
-                compiled = lowered.compile()
-            result["compile_seconds"] = clock.seconds
+            lowered, compiled, result["compile_seconds"] = harness.compile_timed(jitted, inputs)
             result["xla_temp_bytes"] = harness.temp_bytes(compiled)
             if column == "hlopass":
                 result["rewrites"] = [str(r) for r in lowered.report.rewrites]

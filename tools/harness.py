@@ -88,6 +88,14 @@ def stopwatch() -> Iterator[_Clock]:
         clock.seconds = time.perf_counter() - start
 
 
+def compile_timed(jitted, args: Sequence) -> tuple[Any, Any, float]:
+    """``(lowered, compiled, seconds)`` of lowering and compiling ``jitted`` at ``args``."""
+    with stopwatch() as clock:
+        lowered = jitted.lower(*args)
+        compiled = lowered.compile()
+    return lowered, compiled, clock.seconds
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     """One call of ``fn()``, blocked until ready: ``(output, wall seconds, process CPU seconds)``."""
     wall, cpu = time.perf_counter(), time.process_time()
