@@ -1,6 +1,6 @@
 """Attention forward + backward at long sequence (issue 16): hlopass against plain jax.jit and hand chunking.
 
-    python tools/bench_attention.py [--seq 16384] [--heads 8] [--head-dim 64] [--causal] [--threshold 32MB]
+    python -m tools.bench_attention [--seq 16384] [--heads 8] [--head-dim 64] [--causal] [--threshold 32MB]
                                     [--repeats R] [--cap 16GB] [--run-limit 6GB] [--tiny] [--json PATH]
 
 The program is ``jax.vjp`` of ``jax.nn.dot_product_attention(q, k, v)`` (batch 1, its XLA implementation)
@@ -18,7 +18,7 @@ program. Columns, each in its own child process under an address-space cap:
   all keys (the backward recomputes each block's scores).
 
 Both hand columns use blocks whose scores fit the threshold (the hlopass split size). Reported per column:
-the largest tensor the program builds for itself (as in ``tools/bench_online.py``), XLA temp, compile
+the largest tensor the program builds for itself (as in ``tools.bench_online``), XLA temp, compile
 time and median run time (wall clock, and process CPU time), ratios against the plain and hand columns,
 and the largest difference relative to the largest magnitude: against ``plain`` when it ran, else
 against ``flash``. The hlopass column must keep its own largest tensor within 1.5x the split size and XLA
@@ -31,21 +31,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import statistics
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from bench_online import _sample, own_largest, relative_difference  # noqa: E402
-
-from hlopass.inspection.demo import report_result, run_capped, short_error  # noqa: E402
-from hlopass.sizes import format_size, parse_size  # noqa: E402
+from hlopass.sizes import format_size, parse_size
+from tools import harness
+from tools.bench_online import SAMPLE, own_largest
 
 COLUMNS = ("plain", "hlopass", "flash", "map")
 TITLES = {"plain": "plain `jax.jit`", "hlopass": "hlopass", "flash": "by hand: online loop (custom_vjp)",
@@ -194,18 +185,18 @@ def measure(column: str, sizes: dict, causal: bool, repeats: int, run_limit: int
     result = {"column": column, "status": "ok", "threshold": budget, "chunk": chunk}
     program = functools.partial(forward_backward, causal=causal)
     try:
-        start = time.perf_counter()
-        if column == "hlopass":
-            lowered = hlopass.jit(program, passes="split", threshold=threshold, split_size=threshold).lower(*args)
-            result["splits"] = [r.summary for r in lowered.report.rewrites if r.kind == "split"]
-        else:
-            fn = {"plain": program, "flash": functools.partial(hand_flash, causal=causal, chunk=chunk),
-                  "map": functools.partial(hand_map, causal=causal, chunk=chunk)}[column]
-            lowered = jax.jit(fn).lower(*args)
-        module = lowered.compiler_ir("stablehlo")
-        compiled = lowered.compile()
-        result["compile_seconds"] = time.perf_counter() - start
-        result["xla_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        with harness.stopwatch() as clock:
+            if column == "hlopass":
+                lowered = hlopass.jit(program, passes="split", threshold=threshold, split_size=threshold).lower(*args)
+                result["splits"] = [r.summary for r in lowered.report.rewrites if r.kind == "split"]
+            else:
+                fn = {"plain": program, "flash": functools.partial(hand_flash, causal=causal, chunk=chunk),
+                      "map": functools.partial(hand_map, causal=causal, chunk=chunk)}[column]
+                lowered = jax.jit(fn).lower(*args)
+            module = lowered.compiler_ir("stablehlo")
+            compiled = lowered.compile()
+        result["compile_seconds"] = clock.seconds
+        result["xla_temp_bytes"] = harness.temp_bytes(compiled)
         out_shapes = jax.eval_shape(program, *args)
         result["io_bytes"] = max(int(np.prod(x.shape)) * x.dtype.itemsize
                                  for x in jax.tree_util.tree_leaves((args, out_shapes)))
@@ -217,18 +208,12 @@ def measure(column: str, sizes: dict, causal: bool, repeats: int, run_limit: int
             result["error"] = (f"not run: XLA temp {format_size(result['xla_temp_bytes'])} over the run limit "
                                f"{format_size(run_limit)}")
             return result
-        out = jax.block_until_ready(compiled(*args))
-        walls, cpus = [], []
-        for _ in range(repeats):
-            wall, cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(compiled(*args))
-            walls.append(time.perf_counter() - wall)
-            cpus.append(time.process_time() - cpu)
-        result["median_seconds"] = statistics.median(walls)
-        result["median_cpu_seconds"] = statistics.median(cpus)
-        result["sample"] = _sample(out)
+        timing = harness.time_call(functools.partial(compiled, *args), repeats)
+        result["median_seconds"] = timing.median
+        result["median_cpu_seconds"] = timing.median_cpu
+        result["sample"] = harness.sample(timing.out, SAMPLE)
     except Exception as err:  # noqa: BLE001 - reported, the parent decides
-        result.update(status="failed", error=short_error(err))
+        result.update(status="failed", error=harness.short_error(err))
     return result
 
 
@@ -258,7 +243,7 @@ def table(rows: list[dict], title: str) -> str:
         ran = r["status"] == "ok"
         ratio = (f"{ours['median_seconds'] / r['median_seconds']:.2f}"
                  if ran and ours is not None and ours.get("status") == "ok" else "-")
-        diff = (relative_difference(r.get("sample"), by[reference].get("sample"))
+        diff = (harness.sample_difference(r.get("sample"), by[reference].get("sample"), finite=True)
                 if ran and reference and column != reference else None)
         time_cell = f"{r['median_seconds']:.3g} s" if ran else r.get("error", r["status"])
         cpu_cell = f"{r['median_cpu_seconds']:.3g} s" if ran else "-"
@@ -291,7 +276,7 @@ def main(argv=None) -> int:
     parse_size(sizes["threshold"], "--threshold")
     run_limit = parse_size(args.run_limit, "--run-limit")
     if args.child:
-        report_result(measure(args.child, sizes, args.causal, args.repeats, run_limit))
+        harness.report_result(measure(args.child, sizes, args.causal, args.repeats, run_limit))
         return 0
     columns = args.columns.split(",") if args.columns else list(COLUMNS)
     unknown = [c for c in columns if c not in COLUMNS]
@@ -303,9 +288,10 @@ def main(argv=None) -> int:
     flags = ["--seq", str(sizes["seq"]), "--heads", str(sizes["heads"]), "--head-dim", str(sizes["head_dim"]),
              "--threshold", str(sizes["threshold"]), "--repeats", str(args.repeats), "--run-limit", args.run_limit]
     rows = []
-    for column in columns:
-        argv_child = [os.path.abspath(__file__), "--child", column, *flags, *(["--causal"] if args.causal else [])]
-        result = run_capped(argv_child, parse_size(args.cap, "--cap"), timeout=3600, env={"PYTHONPATH": ROOT})
+    for column in harness.progress(columns, "bench_attention"):
+        argv_child = harness.module_argv("bench_attention", "--child", column, *flags,
+                                         *(["--causal"] if args.causal else []))
+        result = harness.run_capped(argv_child, parse_size(args.cap, "--cap"), timeout=3600)
         result.setdefault("column", column)
         result.setdefault("threshold", parse_size(sizes["threshold"], "threshold"))
         rows.append(result)
@@ -323,13 +309,9 @@ def main(argv=None) -> int:
         elif not all(attention_bounds(ours)):
             failures.append(f"hlopass: own largest {format_size(ours['own_largest_bytes'])}, "
                             f"temp {format_size(ours['xla_temp_bytes'])} over the bounds")
-    path = args.json or (None if args.tiny else os.path.join(ROOT, "tools", "results", "attention.json"))
-    if path:
-        with open(path, "w") as fh:
-            json.dump({"sizes": sizes, "causal": args.causal,
-                       "rows": [{k: v for k, v in r.items() if k != "sample"} for r in rows], "table": text,
-                       "failures": failures},
-                      fh, indent=1)
+    path = args.json or (None if args.tiny else os.path.join(harness.RESULTS, "attention.json"))
+    harness.write_json(path, {"sizes": sizes, "causal": args.causal, "rows": harness.without(rows, "sample"),
+                              "table": text, "failures": failures}, indent=1)
     for line in failures:
         print("BOUND FAILED:", line)
     return 1 if failures else 0

@@ -15,34 +15,28 @@ script runs the same programs with each choice varied, one at a time, side by si
 Programs: kNN L1 and L2 (``fixtures/knn.py``, 2,000 queries x 100,000 points, d = 3, k = 10) and the
 kernel mat-vec (``fixtures/kernels.py``, n = 20,000, d = 3), threshold 100 MB.
 
-    python tools/bench_chunks.py [--tiny] [--repeats 5] [--json PATH]
+    python -m tools.bench_chunks [--tiny] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import numpy as np
+from jax import lax
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-
-import hlopass  # noqa: E402
-from hlopass.sizes import format_size  # noqa: E402
-from fixtures.kernels import kernel_matvec  # noqa: E402
-from fixtures.knn import knn_l1, knn_l2  # noqa: E402
-from hlopass.passes.split import SplitPass  # noqa: E402
+import hlopass
+from fixtures.kernels import kernel_matvec
+from fixtures.knn import knn_l1, knn_l2
+from hlopass.passes.split import SplitPass
+from hlopass.sizes import format_size
+from tools import harness
 
 OTHER_PASSES = ["hvp", "algebraic", "matrix_chain"]
-RESULT = "RESULT "
 
 
 def programs(tiny: bool) -> dict:
@@ -85,36 +79,21 @@ def variants(fn, static, hand, threshold: str, tiny: bool) -> dict:
     return out
 
 
-def timed(fn, args) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def temp_bytes(fn, args) -> int | None:
-    try:
-        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    except Exception:  # noqa: BLE001 - a figure we can do without
-        return None
-
-
 def measure(name, fn, args, static, hand, threshold, repeats, tiny) -> dict:
     fns = variants(fn, static, hand, threshold, tiny)
     device_args = tuple(a if i in static else jax.device_put(a) for i, a in enumerate(args))
-    outputs = {label: jax.tree.leaves(f(*device_args)) for label, f in fns.items()}
-    times = {label: [] for label in fns}
-    labels = list(fns)
-    for rep in range(repeats):  # interleaved, and rotated so that no variant always follows the same one
-        for label in labels[rep % len(labels):] + labels[:rep % len(labels)]:
-            times[label].append(timed(fns[label], device_args))
+    # a warm-up call each, then interleaved and rotated so that no variant always follows the same one
+    timings = harness.time_calls({label: functools.partial(f, *device_args) for label, f in fns.items()}, repeats,
+                                 label=name)
+    outputs = {label: jax.tree.leaves(t.out) for label, t in timings.items()}
     want = outputs["default"]
     row = {"program": name, "variants": {}}
     for label, f in fns.items():
-        walls, cpus = zip(*times[label])
         same = all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # indices may swap at near-ties
                    for a, b in zip(outputs[label], want) if np.issubdtype(np.asarray(a).dtype, np.floating))
-        row["variants"][label] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
-                                  "temp_bytes": temp_bytes(f, device_args), "same_as_default": bool(same)}
+        row["variants"][label] = {"wall_s": timings[label].median, "cpu_s": timings[label].median_cpu,
+                                  "temp_bytes": harness.temp_bytes(f, device_args, quiet=True),
+                                  "same_as_default": bool(same)}
     return row
 
 
@@ -141,22 +120,20 @@ def main(argv=None) -> int:
         fn, args, static, hand, threshold = table[options.program]
         row = measure(options.program, fn, args, static, hand, threshold, repeats, options.tiny)
         row["threshold"] = threshold
-        print(RESULT + json.dumps(row))
+        harness.report_result(row)
         return 0
     rows = []
-    for name in table:  # each program in its own process: one program's runs slowed the next one's
-        cmd = [sys.executable, os.path.abspath(__file__), "--program", name, "--repeats", str(repeats)]
-        done = subprocess.run(cmd + (["--tiny"] if options.tiny else []), capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-        if done.returncode or not lines:
-            print(f"{name}: the measurement failed\n{done.stderr[-3000:]}")
+    for name in harness.progress(table, "bench_chunks"):  # each program in its own process: one program's runs
+        argv = harness.module_argv("bench_chunks", "--program", name, "--repeats", str(repeats),  # slowed the next's
+                                   *(["--tiny"] if options.tiny else []))
+        row = harness.run_capped(argv, None, timeout=24 * 3600, platforms=None, keep=())
+        if row.get("status") in ("crashed", "timeout"):
+            print(f"{name}: the measurement failed\n{row.get('error')}")
             return 1
-        rows.append(json.loads(lines[-1][len(RESULT):]))
+        rows.append(row)
         print_row(rows[-1])
-    out = options.json or (None if options.tiny else os.path.join(ROOT, "tools", "results", "chunks.json"))
-    if out:
-        with open(out, "w") as handle:
-            json.dump({"rows": rows, "machine": f"{os.cpu_count()} CPUs", "jax": jax.__version__}, handle, indent=1)
+    out = options.json or (None if options.tiny else os.path.join(harness.RESULTS, "chunks.json"))
+    harness.write_json(out, {"rows": rows, "machine": f"{os.cpu_count()} CPUs", "jax": jax.__version__}, indent=1)
     differ = [(r["program"], v) for r in rows for v, c in r["variants"].items() if not c["same_as_default"]]
     return 1 if differ else 0
 

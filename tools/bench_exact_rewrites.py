@@ -1,10 +1,10 @@
 """Exact rewrites at default settings against plain ``jax.jit`` and the hand-written form.
 
-    python tools/bench_exact_rewrites.py [--n 3000] [--tiny] [--json PATH]
+    python -m tools.bench_exact_rewrites [--n 3000] [--tiny] [--json PATH]
 
 The algebraic pass's exact rewrites (the same products summed in another order) fire with nothing
 set, whatever the threshold. For each workload, side by side in one process: the best of several
-calls (after a warm-up, inputs on the device) of ``jax.jit`` of the code as written, ``hlopass.jit``
+calls (after a warm-up, inputs on the device, the columns called in turns) of ``jax.jit`` of the code as written, ``hlopass.jit``
 of the same code with no settings, and ``jax.jit`` of the form written by hand; XLA's temp memory
 of each; the largest difference from ``jax.jit`` relative to the result's largest entry; and the
 ratios plain / hlopass and hlopass / by hand.
@@ -20,19 +20,15 @@ ratios plain / hlopass and hlopass / by hand.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import hlopass  # noqa: E402
-from hlopass.sizes import format_size  # noqa: E402
+import hlopass
+from tools import harness
+from tools.bench_matrix_chain import print_table
 
 
 def workloads(n: int):
@@ -69,55 +65,21 @@ def _bms_loss_by_hand(x, y, w):
     return jnp.sum(w * jnp.tanh(x @ y.T))
 
 
-def best_of(fn, args, repeat: int = 5, budget_s: float = 1.0) -> float:
-    """Best time of at least ``repeat`` calls after a warm-up; fast calls repeat until ``budget_s``."""
-    jax.block_until_ready(fn(*args))
-    times: list[float] = []
-    while len(times) < repeat or (sum(times) < budget_s and len(times) < 100):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def temp_bytes(jitted, args) -> int:
-    return int(jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes)
-
-
 def measure(name, fun, by_hand, args, repeat, budget) -> dict:
     args = tuple(jax.device_put(a) for a in args)
     plain, ours, hand = jax.jit(fun), hlopass.jit(fun), jax.jit(by_hand)  # hlopass: nothing set
     reports = hlopass.reports(ours, *args)  # the backward programs too, for a gradient
-    want = np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree_util.tree_leaves(plain(*args))])
-    got = np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree_util.tree_leaves(ours(*args))])
     row = {
         "workload": name,
         "shapes": " ".join("x".join(map(str, a.shape)) for a in args),
         "threshold": ours.config().threshold,
-        "jax_jit_s": best_of(plain, args, repeat, budget),
-        "hlopass_s": best_of(ours, args, repeat, budget),
-        "by_hand_s": best_of(hand, args, repeat, budget),
-        "temp_jax_jit_bytes": temp_bytes(plain, args),
-        "temp_hlopass_bytes": temp_bytes(ours, args),
-        "temp_by_hand_bytes": temp_bytes(hand, args),
-        "max_rel_diff": float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)),
+        **harness.columns_figures({"jax_jit": plain, "hlopass": ours, "by_hand": hand}, args, repeat, budget),
+        "max_rel_diff": harness.relative_difference(ours(*args), plain(*args), per_leaf=False),
         "rewrites": [f"{r.pass_name}:{r.kind}" for report in reports for r in report.rewrites],
     }
     row["speedup_vs_jax_jit"] = row["jax_jit_s"] / row["hlopass_s"]
     row["hlopass_vs_by_hand"] = row["hlopass_s"] / row["by_hand_s"]
     return row
-
-
-def print_table(rows) -> None:
-    header = (f"{'workload':<32} {'jax.jit':>9} {'hlopass':>9} {'by hand':>9} {'speedup':>8} {'vs hand':>8} "
-              f"{'temp jit':>10} {'temp hlopass':>12} {'rel diff':>9}  rewrites")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['workload']:<32} {r['jax_jit_s']:>8.4f}s {r['hlopass_s']:>8.4f}s {r['by_hand_s']:>8.4f}s "
-              f"{r['speedup_vs_jax_jit']:>7.1f}x {r['hlopass_vs_by_hand']:>7.2f}x "
-              f"{format_size(r['temp_jax_jit_bytes']):>10} {format_size(r['temp_hlopass_bytes']):>12} "
-              f"{r['max_rel_diff']:>9.1e}  {', '.join(r['rewrites']) or '-'}")
 
 
 def main(argv=None) -> list[dict]:
@@ -131,10 +93,8 @@ def main(argv=None) -> list[dict]:
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, n = {n}, hlopass with no settings "
           f"(HLOPASS_* unset: {not any(k.startswith('HLOPASS_') for k in os.environ)})")
     rows = [measure(name, fun, by_hand, args, repeat, budget) for name, fun, by_hand, args in workloads(n)]
-    print_table(rows)
-    if options.json:
-        with open(options.json, "w") as f:
-            json.dump({"n": n, "rows": rows}, f, indent=2)
+    print_table(rows, key="workload", width=32, rewrites=True)
+    harness.write_json(options.json, {"n": n, "rows": rows})
     return rows
 
 

@@ -1,8 +1,8 @@
 """Gaussian-process programs at the sizes of issue 13: plain jax.jit against hlopass.jit.
 
-    python tools/bench_gp.py [--programs a,b] [--passes default|split] [--cap 12GB] [--no-run-plain]
+    python -m tools.bench_gp [--programs a,b] [--passes default|split] [--cap 12GB] [--no-run-plain]
                              [--repeats R] [--tiny] [--json PATH]
-    python tools/bench_gp.py --sgpr-scale [--n 1000000 --m 1000 --d 8 --cap 4GB]
+    python -m tools.bench_gp --sgpr-scale [--n 1000000 --m 1000 --d 8 --cap 4GB]
 
 The six programs of ``fixtures/gp.py`` (SGPR bound and gradient in float64, predictive variance,
 CG, kernel class sums, kernel gather, Sinkhorn), each at the issue's size and threshold. Every
@@ -21,20 +21,12 @@ to fail) and hlopass.jit (default settings) each in its own child: time, XLA tem
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
-import time
+import functools
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from hlopass.inspection.demo import report_result, run_capped, short_error  # noqa: E402
-from hlopass.sizes import format_size, parse_size  # noqa: E402
+from hlopass.sizes import format_size, parse_size
+from tools import harness
 
 TINY = {
     "sgpr_bound_grad": (dict(n=5_003, m=31, d=3), "1MB"),
@@ -60,15 +52,6 @@ def program(name: str, tiny: bool):
     return fn, make(**sizes), threshold, x64, sizes
 
 
-def _sample(out) -> list[list[float]]:
-    import jax
-    sample = []
-    for leaf in jax.tree_util.tree_leaves(out):
-        flat = np.asarray(leaf, np.float64).ravel()
-        sample.append(flat[:: max(1, flat.size // SAMPLE)][:SAMPLE].tolist())
-    return sample
-
-
 def measure(name: str, column: str, passes: str, tiny: bool, repeats: int, run: bool = True) -> dict:
     """Lower, compile (and run) one program in this process."""
     import jax
@@ -83,12 +66,12 @@ def measure(name: str, column: str, passes: str, tiny: bool, repeats: int, run: 
             jitted = jax.jit(fn)
         else:
             jitted = hlopass.jit(fn, threshold=threshold, **({} if passes == "default" else {"passes": passes}))
-        start = time.perf_counter()
-        lowered = jitted.lower(*args)
-        module = lowered.compiler_ir("stablehlo")
-        compiled = lowered.compile()
-        result["compile_seconds"] = time.perf_counter() - start
-        result["xla_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        with harness.stopwatch() as clock:
+            lowered = jitted.lower(*args)
+            module = lowered.compiler_ir("stablehlo")
+            compiled = lowered.compile()
+        result["compile_seconds"] = clock.seconds
+        result["xla_temp_bytes"] = harness.temp_bytes(compiled)
         result["largest_tensor_bytes"] = stablehlo.max_tensor_bytes(module, outside_loops=False, loop_results=False)
         out_avals = jax.tree_util.tree_leaves(jax.eval_shape(fn, *args))
         result["largest_io_bytes"] = max([int(np.asarray(a).nbytes) for a in jax.tree_util.tree_leaves(args)]
@@ -97,28 +80,12 @@ def measure(name: str, column: str, passes: str, tiny: bool, repeats: int, run: 
             result["rewrites"] = [str(r) for r in lowered.report.rewrites]
             result["skipped"] = [str(s) for s in lowered.report.skipped]
         if run:
-            out = jax.block_until_ready(compiled(*args))
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                jax.block_until_ready(compiled(*args))
-                times.append(time.perf_counter() - start)
-            result["median_seconds"] = statistics.median(times) if times else None
-            result["sample"] = _sample(out)
+            timing = harness.time_call(functools.partial(compiled, *args), repeats)
+            result["median_seconds"] = timing.median if timing.wall else None
+            result["sample"] = harness.sample(timing.out, SAMPLE)
     except Exception as err:  # noqa: BLE001 - running out of memory is a result
-        result.update(status="failed", error=short_error(err))
+        result.update(status="failed", error=harness.short_error(err))
     return result
-
-
-def relative_difference(a, b) -> float | None:
-    if a is None or b is None or len(a) != len(b):
-        return None
-    worst = 0.0
-    for x, y in zip(a, b):
-        x, y = np.asarray(x), np.asarray(y)
-        scale = max(float(np.max(np.abs(y), initial=0.0)), 1e-300)
-        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)) / scale)
-    return worst
 
 
 def bounds(row: dict) -> tuple[bool, bool]:
@@ -150,7 +117,8 @@ def table(rows: list[dict]) -> str:
         plain, ours = columns.get("plain"), columns.get("hlopass")
         ok = ours is not None and ours.get("status") == "ok"
         largest_ok, temp_ok = bounds(ours) if ok else (False, False)
-        diff = relative_difference(ours.get("sample"), plain.get("sample")) if ok and plain else None
+        diff = (harness.sample_difference(ours.get("sample"), plain.get("sample"), floor=1e-300)
+                if ok and plain else None)
         threshold = format_size((ours or plain)["threshold"])
         lines.append(f"| {name} | {threshold} | {cell(plain)} | {cell(ours)} | {'yes' if largest_ok else 'NO'} "
                      f"| {'yes' if temp_ok else 'NO'} | {'-' if diff is None else f'{diff:.1e}'} |")
@@ -169,31 +137,26 @@ def sgpr_scale_child(column: str, n: int, m: int, d: int) -> dict:
     try:
         args = gp.make_sgpr(n, m, d)
         jitted = jax.jit(gp.sgpr_value_and_grad) if column == "plain" else hlopass.jit(gp.sgpr_value_and_grad)
-        start = time.perf_counter()
-        lowered = jitted.lower(*args)
-        compiled = lowered.compile()
-        result["compile_seconds"] = time.perf_counter() - start
-        result["xla_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        lowered, compiled, result["compile_seconds"] = harness.compile_timed(jitted, args)
+        result["xla_temp_bytes"] = harness.temp_bytes(compiled)
         if column == "hlopass":
             result["rewrites"] = [str(r) for r in lowered.report.rewrites]
-        start = time.perf_counter()
-        value, (grad_z, grad_params) = jax.block_until_ready(compiled(*args))
-        result["run_seconds"] = time.perf_counter() - start
+        (value, (grad_z, grad_params)), result["run_seconds"], _ = harness.timed(functools.partial(compiled, *args))
         result["value"] = float(value)
         result["grad_params"] = np.asarray(grad_params).tolist()
         result["finite"] = bool(np.isfinite(np.asarray(grad_z)).all() and np.isfinite(float(value)))
     except Exception as err:  # noqa: BLE001
-        result.update(status="failed", error=short_error(err))
+        result.update(status="failed", error=harness.short_error(err))
     return result
 
 
 def sgpr_scale(n: int, m: int, d: int, cap: int) -> list[dict]:
     rows = []
-    for column in ("plain", "hlopass"):
+    for column in harness.progress(("plain", "hlopass"), "sgpr-scale"):
         print(f"[sgpr-scale] {column}: n = {n:,}, m = {m:,}, d = {d}, float64, ulimit -v {format_size(cap)} ...",
               flush=True)
-        argv = [os.path.abspath(__file__), "--sgpr-child", column, "--n", str(n), "--m", str(m), "--d", str(d)]
-        row = run_capped(argv, cap, timeout=6 * 3600, env={"PYTHONPATH": ROOT})
+        argv = harness.module_argv("bench_gp", "--sgpr-child", column, "--n", str(n), "--m", str(m), "--d", str(d))
+        row = harness.run_capped(argv, cap, timeout=6 * 3600)
         row.setdefault("column", column)
         rows.append(row)
         if row.get("status") == "ok":
@@ -223,44 +186,39 @@ def main(argv=None) -> int:
     parser.add_argument("--sgpr-child", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.sgpr_child:
-        report_result(sgpr_scale_child(options.sgpr_child, options.n, options.m, options.d))
+        harness.report_result(sgpr_scale_child(options.sgpr_child, options.n, options.m, options.d))
         return 0
     if options.child:
         name, column, run = options.child.split(":")
-        report_result(measure(name, column, options.passes, options.tiny, options.repeats, run == "run"))
+        harness.report_result(measure(name, column, options.passes, options.tiny, options.repeats, run == "run"))
         return 0
     if options.sgpr_scale:
         rows = sgpr_scale(options.n, options.m, options.d, parse_size(options.cap or "4GB", "--cap"))
-        if options.json:
-            with open(options.json, "w") as handle:
-                json.dump(rows, handle, indent=2, default=str)
+        harness.write_json(options.json, rows, default=str)
         plain, ours = rows
         return 0 if ours.get("status") == "ok" else 1
     names = options.programs.split(",") if options.programs else list(gp.PROGRAMS)
     cap = parse_size(options.cap or "12GB", "--cap")
     rows = []
-    for name in names:
-        for column in ("plain", "hlopass"):
-            run = "norun" if column == "plain" and options.no_run_plain else "run"
-            print(f"[{name}] {column} ...", flush=True)
-            argv = [os.path.abspath(__file__), "--child", f"{name}:{column}:{run}", "--passes", options.passes,
-                    "--repeats", str(options.repeats)] + (["--tiny"] if options.tiny else [])
-            row = run_capped(argv, cap, timeout=3 * 3600, env={"PYTHONPATH": ROOT})
-            row.setdefault("program", name)
-            row.setdefault("column", column)
-            rows.append(row)
-            if row.get("status") == "ok":
-                print(f"    largest {format_size(row['largest_tensor_bytes'])}, temp {format_size(row['xla_temp_bytes'])}"
-                      f", compile {row['compile_seconds']:.1f} s"
-                      + (f", run {row['median_seconds']:.2f} s" if row.get("median_seconds") is not None else "")
-                      + f", peak RSS {format_size(row.get('peak_rss_bytes'))}", flush=True)
-            else:
-                print(f"    {row.get('status')}: {row.get('error')}", flush=True)
+    for name, column in harness.progress([(n, c) for n in names for c in ("plain", "hlopass")], "bench_gp"):
+        run = "norun" if column == "plain" and options.no_run_plain else "run"
+        print(f"[{name}] {column} ...", flush=True)
+        argv = harness.module_argv("bench_gp", "--child", f"{name}:{column}:{run}", "--passes", options.passes,
+                                   "--repeats", str(options.repeats), *(["--tiny"] if options.tiny else []))
+        row = harness.run_capped(argv, cap, timeout=3 * 3600)
+        row.setdefault("program", name)
+        row.setdefault("column", column)
+        rows.append(row)
+        if row.get("status") == "ok":
+            print(f"    largest {format_size(row['largest_tensor_bytes'])}, temp {format_size(row['xla_temp_bytes'])}"
+                  f", compile {row['compile_seconds']:.1f} s"
+                  + (f", run {row['median_seconds']:.2f} s" if row.get("median_seconds") is not None else "")
+                  + f", peak RSS {format_size(row.get('peak_rss_bytes'))}", flush=True)
+        else:
+            print(f"    {row.get('status')}: {row.get('error')}", flush=True)
     print()
     print(table(rows))
-    if options.json:
-        with open(options.json, "w") as handle:
-            json.dump([{k: v for k, v in r.items() if k != "sample"} for r in rows], handle, indent=2, default=str)
+    harness.write_json(options.json, harness.without(rows, "sample"), default=str)
     failed = [r for r in rows if r["column"] == "hlopass" and (r.get("status") != "ok" or not all(bounds(r)))]
     return 1 if failed else 0
 

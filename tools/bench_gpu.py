@@ -24,14 +24,12 @@ exactness. ``--json`` writes every row with the device name and the JAX version.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-RESULT = "BENCH_GPU_RESULT "
+from tools import harness
+
 CASE_TIMEOUT_S = {"sgpr10000": 240, "sgpr4000": 120, "matvec1e6": 100, "transformer": 100}
 DEFAULT_TIMEOUT_S = 75
 CASES = ("knn3", "knn100", "matvec1e5", "matvec1e6", "sgpr1000", "sgpr4000", "sgpr10000", "transformer")
@@ -47,28 +45,13 @@ STEP_BYTES = 100_000 if QUICK else 100_000_000  # the shape cases' step, by hand
 
 # -- measuring one column ------------------------------------------------------------------------
 
-def _block(out):
-    import jax
-    return jax.block_until_ready(out)
-
-
 def timed(fn, args, repeats: int = 3) -> dict:
     """Compile ``fn`` (a jitted function) at ``args``, call it once, then ``repeats`` more times."""
-    start = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    analysis = compiled.memory_analysis()
-    temp = getattr(analysis, "temp_size_in_bytes", None) if analysis is not None else None
-    start = time.perf_counter()
-    out = _block(compiled(*args))
-    first_s = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _block(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return {"compile_s": compile_s, "first_call_s": first_s, "median_s": statistics.median(times),
-            "temp_bytes": temp, "_out": out}
+    _, compiled, compile_s = harness.compile_timed(fn, args)
+    temp = harness.memory_figures(compiled)["temp"]
+    timing = harness.time_call(functools.partial(compiled, *args), repeats)
+    return {"compile_s": compile_s, "first_call_s": timing.first, "median_s": timing.median,
+            "temp_bytes": temp, "_out": timing.out}
 
 
 def column(name: str, fn, args, check, repeats: int = 3) -> dict:
@@ -369,25 +352,17 @@ def child_main(name: str) -> None:
     import jax
     result = run_case(name)
     result.update(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(), jax=jax.__version__)
-    print(RESULT + json.dumps(result, default=str), flush=True)
+    harness.report_result(result)
 
 
 def run_child(name: str) -> dict:
     timeout = CASE_TIMEOUT_S.get(name, DEFAULT_TIMEOUT_S)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    start = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, "-m", "tools.bench_gpu", "--child", name], cwd=root,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"case": name, "status": "timeout", "error": f"no result after {timeout} s"}
-    for line in done.stdout.splitlines():
-        if line.startswith(RESULT):
-            result = json.loads(line[len(RESULT):])
-            result["process_s"] = time.perf_counter() - start
-            return result
-    tail = (done.stderr or done.stdout).strip().splitlines()[-4:]
-    return {"case": name, "status": "crashed", "error": " | ".join(tail)}
+    result = harness.run_capped(harness.module_argv("bench_gpu", "--child", name), None, timeout=timeout,
+                                platforms=None, keep=("process_seconds",))
+    if result.get("status") in ("timeout", "crashed"):
+        return {"case": name, "status": result["status"], "error": result["error"]}
+    result["process_s"] = result.pop("process_seconds")
+    return result
 
 
 def print_case(result: dict) -> None:
@@ -422,15 +397,13 @@ def main(argv=None) -> int:
         child_main(args.child)
         return 0
     results = []
-    for name in args.cases.split(","):
+    for name in harness.progress(args.cases.split(","), "bench_gpu"):
         result = run_child(name)
         print_case(result)
         results.append(result)
         sys.stdout.flush()
-        if args.json:  # after every case: a run stopped early keeps what it measured
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"cases": results}, f, indent=1, default=str)
+        # after every case: a run stopped early keeps what it measured
+        harness.write_json(args.json, {"cases": results}, indent=1, default=str)
     return 0
 
 

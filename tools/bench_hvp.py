@@ -1,7 +1,7 @@
 """Benchmark the HVP rewrite on the Mix Flow-MG toy task across M (the paper's Figure 1).
 
 For each M-step depth and variant of the inner model, compares XLA temp
-memory and wall time of:
+memory and wall time (best call; the four programs called in turns) of:
 
 - ``default``: ``jax.jit`` of the program written with plain ``jax.grad``
   (reverse-over-reverse);
@@ -10,24 +10,21 @@ memory and wall time of:
 - ``hlopass``: ``@hlopass.jit`` (passes="hvp") on the default program (form 1);
 - ``hlopass_grad``: ``jax.jit(jax.grad(hlopass.jit(meta_loss)))`` (form 2).
 
-Usage: ``python tools/bench_hvp.py [--tiny] [--M 2 4 8 16] [--variant loop scan] [--json PATH]``.
+Usage: ``python -m tools.bench_hvp [--tiny] [--M 2 4 8 16] [--variant loop scan] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import functools
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-import hlopass  # noqa: E402
-from fixtures import mixflow as mf  # noqa: E402
+import hlopass
+from fixtures import mixflow as mf
+from tools import harness
 
 METHODS = ("default", "handwritten", "hlopass", "hlopass_grad")
 
@@ -45,21 +42,15 @@ def build(method: str, M: int, variant: str):
     raise ValueError(method)
 
 
-def measure(method: str, M: int, variant: str, args, repeats: int) -> dict:
-    """Temp bytes, best-of-``repeats`` seconds and the result for one program."""
-    fn = build(method, M, variant)
-    start = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    out = compiled(*args)
-    out.block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        compiled(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return {"method": method, "M": M, "variant": variant, "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-            "seconds": min(times), "compile_seconds": compile_s, "result": np.asarray(out)}
+def measure(M: int, variant: str, args, repeats: int) -> dict[str, dict]:
+    """Per method: temp bytes, best-of-``repeats`` seconds (the methods called in turns) and the result."""
+    compiled, compile_s = {}, {}
+    for method in METHODS:
+        _, compiled[method], compile_s[method] = harness.compile_timed(build(method, M, variant), args)
+    timings = harness.time_calls({m: functools.partial(c, *args) for m, c in compiled.items()}, repeats)
+    return {m: {"method": m, "M": M, "variant": variant, "temp_bytes": harness.temp_bytes(compiled[m]),
+                "seconds": timings[m].best, "compile_seconds": compile_s[m], "result": np.asarray(timings[m].out)}
+            for m in METHODS}
 
 
 def run(Ms, variants, B: int, D: int, T: int, repeats: int) -> list[dict]:
@@ -67,7 +58,7 @@ def run(Ms, variants, B: int, D: int, T: int, repeats: int) -> list[dict]:
     rows = []
     for variant in variants:
         for M in Ms:
-            results = {m: measure(m, M, variant, args, repeats) for m in METHODS}
+            results = measure(M, variant, args, repeats)
             default = results["default"]
             for m, r in results.items():
                 diff = np.linalg.norm(r["result"] - default["result"]) / np.linalg.norm(default["result"])
@@ -83,12 +74,10 @@ def run(Ms, variants, B: int, D: int, T: int, repeats: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     head = (f"{'variant':8} {'M':>3} {'method':13} {'temp MB':>9} {'x default':>9} {'x handwr.':>9} "
             f"{'time s':>8} {'x default':>9} {'rel err':>9}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['variant']:8} {r['M']:>3} {r['method']:13} {r['temp_bytes'] / 1e6:>9.2f} "
-                     f"{r['temp_ratio_vs_default']:>9.3f} {r['temp_ratio_vs_handwritten']:>9.3f} "
-                     f"{r['seconds']:>8.4f} {r['time_ratio_vs_default']:>9.3f} {r['rel_err_vs_default']:>9.1e}")
-    return "\n".join(lines)
+    return harness.text_table(head, [
+        f"{r['variant']:8} {r['M']:>3} {r['method']:13} {r['temp_bytes'] / 1e6:>9.2f} "
+        f"{r['temp_ratio_vs_default']:>9.3f} {r['temp_ratio_vs_handwritten']:>9.3f} "
+        f"{r['seconds']:>8.4f} {r['time_ratio_vs_default']:>9.3f} {r['rel_err_vs_default']:>9.1e}" for r in rows])
 
 
 def main(argv=None) -> int:
@@ -109,9 +98,7 @@ def main(argv=None) -> int:
     rows = run(Ms, opts.variant, B, D, opts.T, repeats)
     print(f"Mix Flow-MG toy: B={B} D={D} T={opts.T}, jax {jax.__version__}, {jax.devices()[0].platform}")
     print(table(rows))
-    if opts.json:
-        with open(opts.json, "w") as fh:
-            json.dump(rows, fh, indent=2)
+    harness.write_json(opts.json, rows)
     return 0
 
 

@@ -13,25 +13,22 @@ asks for), XLA's temporary-buffer estimate (``memory_analysis()``, what the
 compiler allocates after fusion) and the child's peak resident memory, plus
 how many queries get the same k neighbours as the hlopass run.
 
-    python tools/bench_knn_l2.py                # 10,000 queries x 100,000 points, d = 100
-    python tools/bench_knn_l2.py --tiny         # seconds-long smoke run
-    python tools/bench_knn_l2.py --json out.json
-    python tools/bench_knn_l2.py --accuracy     # error of the rewrite vs the naive form
+    python -m tools.bench_knn_l2                # 10,000 queries x 100,000 points, d = 100
+    python -m tools.bench_knn_l2 --tiny         # seconds-long smoke run
+    python -m tools.bench_knn_l2 --json out.json
+    python -m tools.bench_knn_l2 --accuracy     # error of the rewrite vs the naive form
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import resource
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools import harness
+
 VARIANTS = ("jax.jit naive", "hlopass.jit naive", "jax.jit expanded")
 FULL = dict(queries=10_000, points=100_000, dim=100, k=10)
 TINY = dict(queries=64, points=1_000, dim=16, k=5)
@@ -42,7 +39,6 @@ TINY = dict(queries=64, points=1_000, dim=16, k=5)
 def run_variant(variant: str, queries: int, points: int, dim: int, k: int, repeat: int, threshold: str,
                 indices_path: str) -> dict:
     """Compile and time one variant in this process; returns its measurements."""
-    sys.path.insert(0, ROOT)
     import jax
     import numpy as np
 
@@ -59,25 +55,18 @@ def run_variant(variant: str, queries: int, points: int, dim: int, k: int, repea
         fun = jax.jit(knn_l2 if variant == "jax.jit naive" else knn_l2_expanded, static_argnums=2)
 
     result = {"variant": variant}
-    start = time.perf_counter()
-    lowered = fun.lower(q, p, k)
-    result["stablehlo_max_bytes"] = max_tensor_bytes(lowered.compiler_ir("stablehlo"))
-    if variant == "hlopass.jit naive":
-        result["rewrites"] = [r.kind for r in lowered.report.rewrites]
-    compiled = lowered.compile()
-    result["compile_s"] = time.perf_counter() - start
-    analysis = compiled.memory_analysis()
-    result["xla_temp_bytes"] = int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
-    times = []
-    for i in range(repeat + 1):
-        start = time.perf_counter()
-        _, idx = jax.block_until_ready(compiled(q, p))
-        if i:  # the first run is a warm-up
-            times.append(time.perf_counter() - start)
-    result["run_s"] = statistics.median(times)
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    np.save(indices_path, np.asarray(idx))
-    return result
+    with harness.stopwatch() as clock:
+        lowered = fun.lower(q, p, k)
+        result["stablehlo_max_bytes"] = max_tensor_bytes(lowered.compiler_ir("stablehlo"))
+        if variant == "hlopass.jit naive":
+            result["rewrites"] = [r.kind for r in lowered.report.rewrites]
+        compiled = lowered.compile()
+    result["compile_s"] = clock.seconds
+    result["xla_temp_bytes"] = harness.temp_bytes(compiled) or 0
+    timing = harness.time_call(functools.partial(compiled, q, p), repeat)  # after a warm-up call
+    result["run_s"] = timing.median
+    np.save(indices_path, np.asarray(timing.out[1]))
+    return result  # the peak RSS is added by harness.report_result
 
 
 # -- accuracy of the expanded form ----------------------------------------------------------------
@@ -89,7 +78,6 @@ def accuracy(queries: int = 500, points: int = 2000, dim: int = 100, offsets=(0.
     expanded form cancel more). Errors are relative: the largest error over
     the largest naive distance, and the median of per-entry relative errors.
     """
-    sys.path.insert(0, ROOT)
     import jax
     import numpy as np
 
@@ -120,40 +108,28 @@ def accuracy(queries: int = 500, points: int = 2000, dim: int = 100, offsets=(0.
 
 def format_accuracy(rows: list[dict]) -> str:
     header = f"{'dtype':<9}{'offset':>7}{'max err / max dist':>20}{'median rel err':>16}{'naive vs exact':>16}"
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['dtype']:<9}{r['offset']:>7.1f}{r['max_error_over_max_distance']:>20.2e}"
-                     f"{r['median_relative_error']:>16.2e}{r['naive_vs_exact_median_relative_error']:>16.2e}")
+    lines = [f"{r['dtype']:<9}{r['offset']:>7.1f}{r['max_error_over_max_distance']:>20.2e}"
+             f"{r['median_relative_error']:>16.2e}{r['naive_vs_exact_median_relative_error']:>16.2e}" for r in rows]
     lines.append("(rewritten vs naive in the same dtype; 'naive vs exact': the naive form's own error, for scale)")
-    return "\n".join(lines)
+    return harness.text_table(header, lines)
 
 
 # -- the parent: every variant in a capped child --------------------------------------------------
 
-def _cap_memory(limit_bytes: int):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
-    return apply
-
-
 def measure(variant: str, sizes: dict, repeat: int, threshold: str, cap: int, timeout: float, workdir: str) -> dict:
     """Run ``variant`` in a child process under the memory cap; failures become a ``status``."""
     indices_path = os.path.join(workdir, variant.replace(" ", "_").replace(".", "_") + ".npy")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--repeat", str(repeat),
-           "--threshold", threshold, "--indices", indices_path] + \
-          [arg for key, value in sizes.items() for arg in (f"--{key}", str(value))]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=_cap_memory(cap),
-                              env={**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
-    except subprocess.TimeoutExpired:
+    argv = harness.module_argv("bench_knn_l2", "--worker", variant, "--repeat", str(repeat), "--threshold", threshold,
+                               "--indices", indices_path,
+                               *[arg for key, value in sizes.items() for arg in (f"--{key}", str(value))])
+    result = harness.run_capped(argv, cap, timeout=timeout, platforms=None, keep=("peak_rss_bytes",))
+    if result.get("status") == "timeout":
         return {"variant": variant, "status": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        status = "out of memory" if "RESOURCE_EXHAUSTED" in done.stderr or "MemoryError" in done.stderr \
-            or "bad_alloc" in done.stderr else f"failed: {tail[:120]}"
+    if result.get("status") == "crashed":
+        error = result.get("error", "")
+        status = "out of memory" if "RESOURCE_EXHAUSTED" in error or "MemoryError" in error \
+            or "bad_alloc" in error else f"failed: {error.split(' | ')[-1][:120]}"
         return {"variant": variant, "status": status}
-    result = json.loads(lines[-1])
     result["status"] = "ok"
     result["indices_path"] = indices_path
     return result
@@ -178,7 +154,7 @@ def format_table(results: list[dict]) -> str:
     expanded = next((r for r in results if r["variant"] == "jax.jit expanded" and r["status"] == "ok"), None)
     header = (f"{'variant':<20}{'status':<16}{'compile s':>10}{'run s':>10}{'vs naive':>10}{'vs expanded':>12}"
               f"{'StableHLO max':>15}{'XLA temp':>12}{'peak RSS':>12}{'same kNN':>10}")
-    rows = [header, "-" * len(header)]
+    rows = []
     for r in results:
         if r["status"] != "ok":
             rows.append(f"{r['variant']:<20}{r['status']:<16}")
@@ -191,7 +167,7 @@ def format_table(results: list[dict]) -> str:
                     f"{r.get('same_neighbours', float('nan')):>10.4f}")
     rows.append("(vs naive / vs expanded: speed-up, higher is faster; same kNN: fraction of queries whose "
                 "neighbour sets equal the hlopass run's)")
-    return "\n".join(rows)
+    return harness.text_table(header, rows)
 
 
 def main(argv=None) -> int:
@@ -222,17 +198,14 @@ def main(argv=None) -> int:
     if args.accuracy:
         rows = accuracy(**({"queries": 50, "points": 200, "dim": 16} if args.tiny else {}))
         print(format_accuracy(rows))
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"accuracy": rows}, fh, indent=2)
+        harness.write_json(args.json, {"accuracy": rows})
         return 0
 
     if args.worker:
-        print(json.dumps(run_variant(args.worker, repeat=repeat, threshold=args.threshold,
-                                     indices_path=args.indices, **sizes)))
+        harness.report_result(run_variant(args.worker, repeat=repeat, threshold=args.threshold,
+                                          indices_path=args.indices, **sizes))
         return 0
 
-    sys.path.insert(0, ROOT)
     from hlopass.sizes import parse_size
     cap = parse_size(args.memory_cap, "--memory-cap")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -241,17 +214,15 @@ def main(argv=None) -> int:
           f"{sizes['queries'] * sizes['points'] * sizes['dim'] * 4 / 1e9:.3g} GB; child memory cap {args.memory_cap}")
     with tempfile.TemporaryDirectory() as workdir:
         results = []
-        for variant in variants:
+        for variant in harness.progress(variants, "bench_knn_l2"):
             results.append(measure(variant, sizes, repeat, args.threshold, cap, args.timeout, workdir))
             print(f"  {variant}: {results[-1]['status']}", flush=True)
         agreement(results)
         for r in results:
             r.pop("indices_path", None)
     print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"sizes": sizes, "repeat": repeat, "threshold": args.threshold, "memory_cap": args.memory_cap,
-                       "results": results}, fh, indent=2)
+    harness.write_json(args.json, {"sizes": sizes, "repeat": repeat, "threshold": args.threshold,
+                                   "memory_cap": args.memory_cap, "results": results})
     return 0 if all(r["status"] == "ok" for r in results if r["variant"] != "jax.jit naive") else 1
 
 

@@ -18,29 +18,25 @@ less than wall time on a shared machine). Columns:
 * ``keops``: ``pykeops`` ``argKmin`` on a ``LazyTensor`` (when installed: ``pip install -e '.[bench]'``),
   distances gathered afterwards.
 
-    python tools/bench_knn_speed.py               # the issue's sizes; JSON to tools/results/knn_speed.json
-    python tools/bench_knn_speed.py --tiny --json /tmp/k.json
+    python -m tools.bench_knn_speed               # the issue's sizes; JSON to tools/results/knn_speed.json
+    python -m tools.bench_knn_speed --tiny --json /tmp/k.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import statistics
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import numpy as np
+from jax import lax
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-
-import hlopass  # noqa: E402
-from fixtures.knn import knn_l1, knn_l2  # noqa: E402
-from hlopass.passes.split import SplitPass  # noqa: E402
+import hlopass
+from fixtures.knn import knn_l1, knn_l2
+from hlopass.passes.split import SplitPass
+from tools import harness
 
 FULL = [(q, 100_000, d) for q in (2_000, 5_000) for d in (3, 16)]
 TINY = [(64, 3_001, 3), (64, 3_001, 16)]
@@ -81,34 +77,21 @@ def variants(kind: str, threshold: str, block: int):
     return out
 
 
-def timed(fn, args):
-    wall, cpu = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def measure(kind, queries, points, d, repeats, threshold, block) -> dict:
     rng = np.random.default_rng(1)
     q = rng.uniform(0, 1, (queries, d)).astype(np.float32)
     p = rng.uniform(0, 1, (points, d)).astype(np.float32)
     fns = variants(kind, threshold, block)
-    results, times = {}, {name: [] for name in fns}
-    for name, fn in fns.items():
-        args = (q, p, K) if name == "keops" else (jax.device_put(q), jax.device_put(p), K)
-        first = timed(fn, args)[0]
-        results[name] = (args, first, [np.asarray(a) for a in fn(*args)])
-    names = list(fns)
-    for r in range(repeats):  # the order rotates: a call right after plain's 1 GB one runs up to 2x slower
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(timed(fns[name], results[name][0]))
-    want = results["plain"][2][1]
+    args = {name: (q, p, K) if name == "keops" else (jax.device_put(q), jax.device_put(p), K) for name in fns}
+    # the order rotates: a call right after plain's 1 GB one runs up to 2x slower
+    timings = harness.time_calls({name: functools.partial(fn, *args[name]) for name, fn in fns.items()}, repeats,
+                                 label=f"{kind} {queries}x{points} d={d}")
+    want = np.asarray(timings["plain"].out[1])
     row = {"kind": kind, "queries": queries, "points": points, "d": d, "k": K, "threshold": threshold}
-    for name in fns:
-        walls, cpus = zip(*times[name])
-        row[name] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
-                     "first_call_s": results[name][1],
-                     "same_neighbours": float(np.mean(np.sort(results[name][2][1], 1) == np.sort(want, 1)))}
-    report = fns["hlopass"].trace(*results["hlopass"][0]).report
+    for name, timing in timings.items():
+        row[name] = {"wall_s": timing.median, "cpu_s": timing.median_cpu, "first_call_s": timing.first,
+                     "same_neighbours": float(np.mean(np.sort(np.asarray(timing.out[1]), 1) == np.sort(want, 1)))}
+    report = fns["hlopass"].trace(*args["hlopass"]).report
     row["rewrites"] = [f"{r.pass_name}:{r.kind}" for r in report.rewrites]
     return row
 
@@ -132,10 +115,8 @@ def main(argv=None) -> int:
             ratios = "  ".join(f"{n}/hlopass {row[n]['wall_s'] / row['hlopass']['wall_s']:.2f}x"
                                for n in names if n != "hlopass")
             print(f"kNN {kind.upper()} {queries}x{points} d={d}: {cells}\n    speedup (wall): {ratios}", flush=True)
-    out = args.json or (None if args.tiny else os.path.join(ROOT, "tools", "results", "knn_speed.json"))
-    if out:
-        with open(out, "w") as f:
-            json.dump({"rows": rows, "machine": f"{os.cpu_count()} CPUs", "jax": jax.__version__}, f, indent=1)
+    out = args.json or (None if args.tiny else os.path.join(harness.RESULTS, "knn_speed.json"))
+    harness.write_json(out, {"rows": rows, "machine": f"{os.cpu_count()} CPUs", "jax": jax.__version__}, indent=1)
     return 0
 
 

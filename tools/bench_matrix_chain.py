@@ -1,11 +1,12 @@
 """Matrix-chain reordering against plain ``jax.jit`` and against the chain ordered by hand.
 
-    python tools/bench_matrix_chain.py [--n 3000] [--tiny] [--json PATH]
+    python -m tools.bench_matrix_chain [--n 3000] [--tiny] [--json PATH]
 
 For each chain of ``fixtures/chains.py`` (``A@B@v``, ``A.T@B.T@C@v``,
 ``sum(A@B, axis=1)`` at n×n, a batched ``A@B@v`` and ``x@W1@W2`` with a thin
 ``W2``), plus the gradient of ``sum(x@W1@W2)`` in all three arguments: the
-best of five calls (more for fast ones, up to a second) after a warm-up (inputs already on the device) for ``jax.jit`` of the code as written,
+best of five calls (more for fast ones, up to a second; the three columns called in turns) after a warm-up
+(inputs already on the device) for ``jax.jit`` of the code as written,
 ``hlopass.jit`` of the same code (matrix_chain pass only) and ``jax.jit`` of
 the hand-ordered twin; XLA's temp memory for each; the largest difference
 from ``jax.jit`` relative to the result's largest entry.
@@ -14,20 +15,15 @@ from ``jax.jit`` relative to the result's largest entry.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import hlopass  # noqa: E402
-from fixtures import chains  # noqa: E402
-from hlopass.sizes import format_size  # noqa: E402
+import hlopass
+from fixtures import chains
+from hlopass.sizes import format_size
+from tools import harness
 
 
 def grad_thin_mlp(x, W1, W2):
@@ -58,37 +54,15 @@ def workloads(n: int, tiny: bool):
     return rows
 
 
-def best_of(fn, args, repeat: int = 5, budget_s: float = 1.0) -> float:
-    """Best time of at least ``repeat`` calls after a warm-up; fast calls repeat until ``budget_s``."""
-    jax.block_until_ready(fn(*args))  # warm-up (compiles)
-    times: list[float] = []
-    while len(times) < repeat or (sum(times) < budget_s and len(times) < 100):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def temp_bytes(jitted, args) -> int:
-    return int(jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes)
-
-
 def measure(name, fun, by_hand, args, repeat, budget) -> dict:
     args = tuple(jax.device_put(a) for a in args)  # time the computation, not host-to-device copies
     plain, ours, hand = jax.jit(fun), hlopass.jit(fun, passes="matrix_chain"), jax.jit(by_hand)
     report = ours.trace(*args).report
-    want = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(plain(*args))]).astype(np.float64)
-    got = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(ours(*args))]).astype(np.float64)
     row = {
         "chain": name,
         "shapes": " ".join("x".join(map(str, a.shape)) for a in args),
-        "jax_jit_s": best_of(plain, args, repeat, budget),
-        "hlopass_s": best_of(ours, args, repeat, budget),
-        "by_hand_s": best_of(hand, args, repeat, budget),
-        "temp_jax_jit_bytes": temp_bytes(plain, args),
-        "temp_hlopass_bytes": temp_bytes(ours, args),
-        "temp_by_hand_bytes": temp_bytes(hand, args),
-        "max_rel_diff": float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)),
+        **harness.columns_figures({"jax_jit": plain, "hlopass": ours, "by_hand": hand}, args, repeat, budget),
+        "max_rel_diff": harness.relative_difference(ours(*args), plain(*args), per_leaf=False),
         "rewrites": [r.summary for r in report.rewrites],
         "flops_before": sum(r.details.get("flops_before", 0) for r in report.rewrites),
         "flops_after": sum(r.details.get("flops_after", 0) for r in report.rewrites),
@@ -98,16 +72,15 @@ def measure(name, fun, by_hand, args, repeat, budget) -> dict:
     return row
 
 
-def print_table(rows) -> None:
-    header = (f"{'chain':<30} {'jax.jit':>9} {'hlopass':>9} {'by hand':>9} {'speedup':>8} {'vs hand':>8} "
-              f"{'temp jit':>10} {'temp hlopass':>12} {'rel diff':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['chain']:<30} {r['jax_jit_s']:>8.4f}s {r['hlopass_s']:>8.4f}s {r['by_hand_s']:>8.4f}s "
-              f"{r['speedup_vs_jax_jit']:>7.1f}x {r['hlopass_vs_by_hand']:>7.2f}x "
-              f"{format_size(r['temp_jax_jit_bytes']):>10} {format_size(r['temp_hlopass_bytes']):>12} "
-              f"{r['max_rel_diff']:>9.1e}")
+def print_table(rows, key: str = "chain", width: int = 30, rewrites: bool = False) -> None:
+    """The rows against jax.jit and by hand (``bench_exact_rewrites`` prints its rows with it too)."""
+    header = (f"{key:<{width}} {'jax.jit':>9} {'hlopass':>9} {'by hand':>9} {'speedup':>8} {'vs hand':>8} "
+              f"{'temp jit':>10} {'temp hlopass':>12} {'rel diff':>9}" + ("  rewrites" if rewrites else ""))
+    print(harness.text_table(header, [
+        f"{r[key]:<{width}} {r['jax_jit_s']:>8.4f}s {r['hlopass_s']:>8.4f}s {r['by_hand_s']:>8.4f}s "
+        f"{r['speedup_vs_jax_jit']:>7.1f}x {r['hlopass_vs_by_hand']:>7.2f}x "
+        f"{format_size(r['temp_jax_jit_bytes']):>10} {format_size(r['temp_hlopass_bytes']):>12} "
+        f"{r['max_rel_diff']:>9.1e}" + (f"  {', '.join(r['rewrites']) or '-'}" if rewrites else "") for r in rows]))
 
 
 def main(argv=None) -> list[dict]:
@@ -125,9 +98,7 @@ def main(argv=None) -> list[dict]:
     print_table(rows)
     for r in rows:
         print(f"  {r['chain']}: {r['shapes']}; " + "; ".join(r["rewrites"]))
-    if options.json:
-        with open(options.json, "w") as f:
-            json.dump({"n": n, "rows": rows}, f, indent=2)
+    harness.write_json(options.json, {"n": n, "rows": rows})
     return rows
 
 

@@ -1,6 +1,6 @@
 """Never worse than plain: a program no pass can bound, plain ``jax.jit`` and ``hlopass.jit`` side by side.
 
-    python tools/bench_never_worse.py [--n 3000] [--threshold 32MB] [--tiny] [--json PATH]
+    python -m tools.bench_never_worse [--n 3000] [--threshold 32MB] [--tiny] [--json PATH]
 
 Writes its figures to ``tools/results/never_worse.json`` (``--json`` elsewhere; a ``--tiny`` run
 writes only where ``--json`` says).
@@ -22,39 +22,35 @@ code next to it, each on a fresh function object. The machine is shared: compare
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import time
 
 import jax
 
 jax.config.update("jax_enable_x64", True)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import hlopass  # noqa: E402
 from fixtures import exact_gp  # noqa: E402
 from hlopass.sizes import format_size  # noqa: E402
+from tools import harness  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "never_worse.json")
+RESULTS = os.path.join(harness.RESULTS, "never_worse.json")
 
 
 def timed(fn):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - start
+    """``(output, seconds)`` of one call."""
+    out, seconds, _ = harness.timed(fn)
+    return out, seconds
 
 
 def steady(fn, repeat: int = 5) -> float:
-    return min(timed(fn)[1] for _ in range(repeat))
+    """The best of ``repeat`` calls (no separate warm-up)."""
+    return harness.time_call(fn, repeat, warmup=False).best
 
 
 def temp_of(jitted, args) -> tuple[int, float]:
     """XLA temp bytes and compile seconds of ``jitted`` at ``args`` (compiled ahead of time)."""
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - start
+    _, compiled, seconds = harness.compile_timed(jitted, args)
+    return harness.temp_bytes(compiled), seconds
 
 
 def plain_row(make, args) -> dict:
@@ -136,9 +132,7 @@ def main(argv=None) -> dict:
           + kept_compile)
     figures = {"n": n, "threshold": threshold, "rows": rows}
     path = options.json or (None if options.tiny else RESULTS)
-    if path:
-        with open(path, "w") as handle:
-            json.dump(figures, handle, indent=2)
+    harness.write_json(path, figures)
     return figures
 
 

@@ -1,7 +1,7 @@
 """Carried-state splits (issue 16): online logsumexp/softmax along keys, prefix sums along a sequence.
 
-    python tools/bench_online.py [--rows a,b] [--repeats R] [--cap 12GB] [--tiny] [--json PATH]
-    python tools/bench_online.py --side-by-side [--rows a,b] [--repeats R] [--tiny] [--json PATH]
+    python -m tools.bench_online [--rows a,b] [--repeats R] [--cap 12GB] [--tiny] [--json PATH]
+    python -m tools.bench_online --side-by-side [--rows a,b] [--repeats R] [--tiny] [--json PATH]
 
 Each row of the issue's table at full size (``--tiny``: small sizes, a smoke run), each column in its
 own child process under an address-space cap:
@@ -14,7 +14,7 @@ own child process under an address-space cap:
 
 The ``decoding`` row (``jax.nn.dot_product_attention``, 1 query against 4,000,000 keys) is not in the
 issue's table but in its benchmark list; attention at sequence 16,384 with 8 heads is
-``tools/bench_attention.py``.
+``python -m tools.bench_attention``.
 
 Reported per column: the largest tensor the program builds for itself (lowered StableHLO, loop bodies
 included, loops' carried state and tensors with an argument's or result's dimensions aside), XLA temp,
@@ -25,26 +25,20 @@ split size and XLA temp within 3x the split size plus twice the largest argument
 exits non-zero otherwise. Writes JSON rows (``tools/results/online.json`` by default).
 
 ``--side-by-side`` compiles hlopass and the hand loop of each row in one process and calls them in
-turns (no cap, no plain column): the per-step cost of the two loops compared under the same load.
+turns (the order rotating; no cap, no plain column): the per-step cost of the two loops compared under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from hlopass.inspection.demo import report_result, run_capped, short_error  # noqa: E402
-from hlopass.sizes import format_size, parse_size  # noqa: E402
+from hlopass.sizes import format_size, parse_size
+from tools import harness
 
 #: row -> (description, full sizes, tiny sizes, threshold at full size, at tiny size)
 ROWS = {
@@ -264,12 +258,6 @@ def own_largest(module, args, outs) -> int:
     return max(sizes, default=0)
 
 
-def _sample(out) -> list[list[float]]:
-    import jax
-    return [np.asarray(leaf, np.float64).ravel()[:: max(1, np.size(leaf) // SAMPLE)][:SAMPLE].tolist()
-            for leaf in jax.tree_util.tree_leaves(out)]
-
-
 def measure(row: str, column: str, tiny: bool, repeats: int) -> dict:
     """Lower, compile and run one column of one row in this process."""
     import jax
@@ -278,31 +266,26 @@ def measure(row: str, column: str, tiny: bool, repeats: int) -> dict:
     plain, hand, args, threshold = program(row, tiny)
     result = {"row": row, "column": column, "status": "ok", "threshold": parse_size(threshold, "threshold")}
     try:
-        start = time.perf_counter()
-        if column == "hlopass":
-            f = hlopass.jit(plain, passes="split", threshold=threshold, split_size=threshold)
-            lowered = f.lower(*args)
-            result["splits"] = [r.summary for r in lowered.report.rewrites if r.kind == "split"]
-        else:
-            lowered = jax.jit(plain if column == "plain" else hand).lower(*args)
-        module = lowered.compiler_ir("stablehlo")
-        compiled = lowered.compile()
-        result["compile_seconds"] = time.perf_counter() - start
-        result["xla_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
-        out = jax.block_until_ready(compiled(*args))
-        times, cpu = [], []
-        for _ in range(repeats):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(compiled(*args))
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-        result["median_seconds"] = statistics.median(times)
-        result["median_cpu_seconds"] = statistics.median(cpu)  # every thread's CPU time: steadier under load
+        with harness.stopwatch() as clock:
+            if column == "hlopass":
+                f = hlopass.jit(plain, passes="split", threshold=threshold, split_size=threshold)
+                lowered = f.lower(*args)
+                result["splits"] = [r.summary for r in lowered.report.rewrites if r.kind == "split"]
+            else:
+                lowered = jax.jit(plain if column == "plain" else hand).lower(*args)
+            module = lowered.compiler_ir("stablehlo")
+            compiled = lowered.compile()
+        result["compile_seconds"] = clock.seconds
+        result["xla_temp_bytes"] = harness.temp_bytes(compiled)
+        timing = harness.time_call(functools.partial(compiled, *args), repeats)
+        out = timing.out
+        result["median_seconds"] = timing.median
+        result["median_cpu_seconds"] = timing.median_cpu  # every thread's CPU time: steadier under load
         result["own_largest_bytes"] = own_largest(module, args, out)
         result["io_bytes"] = max(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves((args, out)))
-        result["sample"] = _sample(out)
+        result["sample"] = harness.sample(out, SAMPLE)
     except Exception as err:  # noqa: BLE001 - reported, the parent decides
-        result.update(status="failed", error=short_error(err))
+        result.update(status="failed", error=harness.short_error(err))
     return result
 
 
@@ -317,37 +300,16 @@ def side_by_side(names: list[str], tiny: bool, repeats: int) -> list[dict]:
         plain, hand, args, threshold = program(name, tiny)
         compiled = {"hlopass": hlopass.jit(plain, passes="split", threshold=threshold, split_size=threshold)
                     .lower(*args).compile(), "hand": jax.jit(hand).lower(*args).compile()}
-        cpu, wall = {k: [] for k in compiled}, {k: [] for k in compiled}
-        for fn in compiled.values():
-            jax.block_until_ready(fn(*args))
-        for _ in range(repeats):
-            for k, fn in compiled.items():
-                start, start_cpu = time.perf_counter(), time.process_time()
-                jax.block_until_ready(fn(*args))
-                wall[k].append(time.perf_counter() - start)
-                cpu[k].append(time.process_time() - start_cpu)
-        row = {"row": name, **{f"{k}_cpu_seconds": statistics.median(v) for k, v in cpu.items()},
-               **{f"{k}_wall_seconds": statistics.median(v) for k, v in wall.items()}}
+        timings = harness.time_calls({k: functools.partial(fn, *args) for k, fn in compiled.items()}, repeats,
+                                     label=name)
+        row = {"row": name, **{f"{k}_cpu_seconds": t.median_cpu for k, t in timings.items()},
+               **{f"{k}_wall_seconds": t.median for k, t in timings.items()}}
         row["hlopass_over_hand_cpu"] = row["hlopass_cpu_seconds"] / row["hand_cpu_seconds"]
         print(f"{name:24s} CPU hlopass {row['hlopass_cpu_seconds']:.3g} s, hand {row['hand_cpu_seconds']:.3g} s, "
               f"ratio {row['hlopass_over_hand_cpu']:.2f} (wall {row['hlopass_wall_seconds']:.3g} s, "
               f"{row['hand_wall_seconds']:.3g} s)", flush=True)
         rows.append(row)
     return rows
-
-
-def relative_difference(a, b) -> float | None:
-    if a is None or b is None or len(a) != len(b):
-        return None
-    worst = 0.0
-    for x, y in zip(a, b):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape:
-            return None
-        finite = np.isfinite(y)
-        scale = max(float(np.max(np.abs(y[finite]), initial=0.0)), 1e-30)
-        worst = max(worst, float(np.max(np.abs(x[finite] - y[finite]), initial=0.0)) / scale)
-    return worst
 
 
 def bounds(row: dict) -> tuple[bool, bool]:
@@ -377,7 +339,7 @@ def table(rows: list[dict]) -> str:
         ratio = f"{ours['median_seconds'] / plain['median_seconds']:.2f}" if ok else "-"
         ratio_hand = (f"{ours['median_seconds'] / hand['median_seconds']:.2f}"
                       if ok and hand is not None and hand["status"] == "ok" else "-")
-        diff = relative_difference(ours.get("sample"), plain.get("sample")) if ok else None
+        diff = harness.sample_difference(ours.get("sample"), plain.get("sample"), finite=True) if ok else None
         lines.append(f"| {ROWS[name][0]} | {format_size(ours['threshold']) if ours else '-'} | {cell(plain)} | "
                      f"{cell(ours)} | {cell(hand)} | {ratio} | {ratio_hand} | "
                      f"{'-' if diff is None else f'{diff:.1e}'} |")
@@ -397,7 +359,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         row, column = args.child.split(":")
-        report_result(measure(row, column, args.tiny, args.repeats))
+        harness.report_result(measure(row, column, args.tiny, args.repeats))
         return 0
     names = args.rows.split(",") if args.rows else list(ROWS)
     unknown = [n for n in names if n not in ROWS]
@@ -405,25 +367,22 @@ def main(argv=None) -> int:
         parser.error(f"unknown rows {unknown}; accepted: {', '.join(ROWS)}")
     if args.side_by_side:
         rows = side_by_side(names, args.tiny, args.repeats)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"side_by_side": rows}, fh, indent=1)
+        harness.write_json(args.json, {"side_by_side": rows}, indent=1)
         return 0
     rows = []
-    for name in names:
-        for column in COLUMNS:
-            argv_child = [os.path.abspath(__file__), "--child", f"{name}:{column}", "--repeats", str(args.repeats)]
-            result = run_capped(argv_child + (["--tiny"] if args.tiny else []), parse_size(args.cap, "cap"),
-                                env={"PYTHONPATH": ROOT})
-            result.setdefault("row", name)
-            result.setdefault("column", column)
-            result.setdefault("threshold", parse_size(ROWS[name][4 if args.tiny else 3], "threshold"))
-            rows.append(result)
-            print(f"{name:24s} {column:8s} {result.get('status')} "
-                  f"own largest {format_size(result.get('own_largest_bytes', 0))} "
-                  f"temp {format_size(result.get('xla_temp_bytes', 0))} "
-                  f"time {result.get('median_seconds', float('nan')):.3g} s "
-                  f"(CPU {result.get('median_cpu_seconds', float('nan')):.3g} s) {result.get('error', '')}", flush=True)
+    for name, column in harness.progress([(n, c) for n in names for c in COLUMNS], "bench_online"):
+        argv_child = harness.module_argv("bench_online", "--child", f"{name}:{column}", "--repeats",
+                                         str(args.repeats), *(["--tiny"] if args.tiny else []))
+        result = harness.run_capped(argv_child, parse_size(args.cap, "cap"))
+        result.setdefault("row", name)
+        result.setdefault("column", column)
+        result.setdefault("threshold", parse_size(ROWS[name][4 if args.tiny else 3], "threshold"))
+        rows.append(result)
+        print(f"{name:24s} {column:8s} {result.get('status')} "
+              f"own largest {format_size(result.get('own_largest_bytes', 0))} "
+              f"temp {format_size(result.get('xla_temp_bytes', 0))} "
+              f"time {result.get('median_seconds', float('nan')):.3g} s "
+              f"(CPU {result.get('median_cpu_seconds', float('nan')):.3g} s) {result.get('error', '')}", flush=True)
     print(table(rows))
     failures = []
     for r in rows:
@@ -435,11 +394,9 @@ def main(argv=None) -> int:
             if not (largest_ok and temp_ok):
                 failures.append(f"{r['row']}: own largest {format_size(r['own_largest_bytes'])}, "
                                 f"temp {format_size(r['xla_temp_bytes'])} over the bounds")
-    path = args.json or (None if args.tiny else os.path.join(ROOT, "tools", "results", "online.json"))
-    if path:
-        with open(path, "w") as fh:
-            json.dump({"rows": [{k: v for k, v in r.items() if k != "sample"} for r in rows],
-                       "table": table(rows), "failures": failures}, fh, indent=1)
+    path = args.json or (None if args.tiny else os.path.join(harness.RESULTS, "online.json"))
+    harness.write_json(path, {"rows": harness.without(rows, "sample"), "table": table(rows), "failures": failures},
+                       indent=1)
     for line in failures:
         print("BOUND FAILED:", line)
     return 1 if failures else 0

@@ -1,15 +1,13 @@
 """What hlopass costs on top of jax.jit: trace, passes against XLA's compile, first call, and the cost
 of a repeated call; on a 1,000-equation forward program and a gradient of about the same size.
 
-    python tools/bench_overhead.py [--equations 1000] [--tiny] [--json PATH]
+    python -m tools.bench_overhead [--equations 1000] [--tiny] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 import timeit
 
 import jax
@@ -18,6 +16,7 @@ import jax.numpy as jnp
 import hlopass
 from hlopass.jaxpr_utils import count_equations
 from hlopass.pipeline import run_pipeline
+from tools import harness
 
 
 def long_program(equations: int):
@@ -39,12 +38,8 @@ def mlp_gradient(equations: int):
 
 
 def best_of(fn, repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    """The best of ``repeat`` calls of ``fn()`` (no separate warm-up: each call makes its own function)."""
+    return harness.time_call(fn, repeat, warmup=False).best
 
 
 def measure(make, n_eqns: int, args, config) -> dict:
@@ -101,9 +96,7 @@ def main(argv=None) -> dict:
     figures["recall_hlopass_us"] = recall_hlo * 1e6
     print(f"  repeated call, jax.jit     {figures['recall_jax_jit_us']:6.1f} us")
     print(f"  repeated call, hlopass.jit {figures['recall_hlopass_us']:6.1f} us   ratio {recall_hlo / recall_jax:.2f}")
-    if options.json:
-        with open(options.json, "w") as handle:
-            json.dump(figures, handle, indent=2)
+    harness.write_json(options.json, figures)
     return figures
 
 

@@ -1,8 +1,8 @@
 """The remat pass against plain ``jax.jit`` and ``jax.checkpoint`` by hand (issue 17).
 
-    python tools/bench_remat.py [--layers 64] [--width 512] [--batch 2048] [--limit 300MB]
+    python -m tools.bench_remat [--layers 64] [--width 512] [--batch 2048] [--limit 300MB]
                                 [--programs loop,scan] [--repeat 5] [--tiny] [--json PATH]
-    python tools/bench_remat.py --programs transformer --layers 4 --width 256 --batch 2048 --limit auto
+    python -m tools.bench_remat --programs transformer --layers 4 --width 256 --batch 2048 --limit auto
 
 ``jax.grad`` of a deep tanh MLP (``x = tanh(x @ w)`` per layer, loss ``sum(x ** 2)``, float32, no
 ``jax.checkpoint`` in the code), with its layers in a Python loop (``loop``) and in ``lax.scan``
@@ -20,7 +20,8 @@ each program: the gradient under
 
 Each column: XLA's footprint (``memory_analysis``: temporaries + arguments + outputs), whether it
 is within the limit, the compile time, the best of several calls (after a warm-up, inputs on the
-device; the columns' calls interleaved round by round, so a shared machine's load hits them alike),
+device; the columns' calls interleaved round by round, the order rotating, so a shared machine's load
+hits them alike),
 the time relative to plain, and the largest difference from plain's gradient relative to that
 gradient's largest entry. The table is printed; ``--json`` writes the rows.
 """
@@ -28,23 +29,21 @@ gradient's largest entry. The table is printed; ``--json`` writes the rows.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import hlopass  # noqa: E402
-from hlopass.memory import measure  # noqa: E402
-from hlopass.sizes import format_size, parse_size  # noqa: E402
+import hlopass
+from hlopass.memory import measure
+from hlopass.sizes import format_size, parse_size
+from tools import harness
 
 
 def layer(x, w):
@@ -173,14 +172,6 @@ PROGRAMS = {
 }
 
 
-def rel_diff(got, want) -> float:
-    worst = 0.0
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        worst = max(worst, float(np.max(np.abs(g - w))) / max(float(np.max(np.abs(w))), 1e-30))
-    return worst
-
-
 def run_program(key: str, layers: int, width: int, batch: int, limit: int | None, repeat: int,
                 threshold: str | None = None) -> list[dict]:
     """The four columns of one program; ``limit=None``: arguments, outputs and 60% of plain's temporaries;
@@ -200,32 +191,27 @@ def run_program(key: str, layers: int, width: int, batch: int, limit: int | None
     built = []
     for name, make in columns:
         fn = make()
-        start = time.perf_counter()
-        traced = fn.trace(params, x)
-        lowered = traced.lower()
-        compiled = lowered.compile()
-        compile_seconds = time.perf_counter() - start
+        with harness.stopwatch() as clock:
+            traced = fn.trace(params, x)
+            lowered = traced.lower()
+            compiled = lowered.compile()
         if name == "hlopass":
             check = lowered.memory_check
             notes = [str(r) for p in traced.report.passes for r in (*p.rewrites, *p.skipped)]
         else:
             check, notes = measure(compiled), []
-        got = jax.block_until_ready(compiled(params, x))             # the warm-up call
-        built.append((name, compiled, check, notes, compile_seconds, got))
-    # calls interleaved round by round, best of each column: load on a shared machine hits all columns alike
-    best = {name: float("inf") for name, *_ in built}
-    for _ in range(repeat):
-        for name, compiled, *_ in built:
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(params, x))
-            best[name] = min(best[name], time.perf_counter() - start)
-    rows, want = [], built[0][5]
-    for name, compiled, check, notes, compile_seconds, got in built:
-        seconds = best[name]
+        built.append((name, compiled, check, notes, clock.seconds))
+    # a warm-up call each, then calls interleaved round by round, best of each column
+    timings = harness.time_calls({name: functools.partial(compiled, params, x) for name, compiled, *_ in built},
+                                 repeat)
+    best = {name: timing.best for name, timing in timings.items()}
+    rows, want = [], timings["plain"].out
+    for name, compiled, check, notes, compile_seconds in built:
+        seconds, got = best[name], timings[name].out
         rows.append(dict(program=key, title=title, column=name, layers=layers, width=width, batch=batch,
                          limit_bytes=limit, footprint_bytes=check.footprint, temp_bytes=check.temp_bytes,
                          threshold=threshold, fits=check.footprint <= limit, compile_seconds=compile_seconds, seconds=seconds,
-                         ratio_to_plain=seconds / best["plain"], max_rel_diff=rel_diff(got, want), notes=notes))
+                         ratio_to_plain=seconds / best["plain"], max_rel_diff=harness.relative_difference(got, want), notes=notes))
         print(f"  {key:5s} {name:18s} footprint {format_size(check.footprint):>10s} "
               f"{'fits' if check.footprint <= limit else 'OVER'}  compile {compile_seconds:6.1f} s  "
               f"best {seconds:8.4f} s  x{seconds / best['plain']:5.2f}  diff {rows[-1]['max_rel_diff']:.1e}",
@@ -270,9 +256,9 @@ def main(argv=None) -> int:
     print(markdown(rows))
     if args.json:
         meta = dict(jax=jax.__version__, platform=jax.devices()[0].platform, cores=os.cpu_count(),
-                    machine=platform.machine(), command=" ".join(["python", "tools/bench_remat.py", *(argv or sys.argv[1:])]))
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                    machine=platform.machine(),
+                    command=" ".join(["python", "-m", "tools.bench_remat", *(argv or sys.argv[1:])]))
+        harness.write_json(args.json, dict(meta=meta, rows=rows), indent=1)
     return 0
 
 

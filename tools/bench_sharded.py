@@ -1,7 +1,7 @@
 """Sharded programs on 4 host devices: hlopass.jit against jax.jit with the same shardings.
 
-    python tools/bench_sharded.py [--n 24000] [--m 24000] [--threshold 64MB] [--repeats 3]
-                                  [--tiny] [--json tools/results/sharded.json]
+    python -m tools.bench_sharded [--n 24000] [--m 24000] [--threshold 64MB] [--repeats 3]
+                                [--tiny] [--json tools/results/sharded.json]
 
 Kernel matvec (``exp(-|x_i - y_j|^2) @ v``) and kNN (``top_k`` of the negated squared distances,
 k = 5) with the query rows placed ``NamedSharding(mesh, P("x"))`` on a 4-device mesh
@@ -9,28 +9,23 @@ k = 5) with the query rows placed ``NamedSharding(mesh, P("x"))`` on a 4-device 
 given to either jit. For each: XLA's per-device temporaries, arguments and outputs, compile time,
 the median run time, the output shardings of both, and the largest relative difference (kNN: the
 distances, and the distances at hlopass's indices). Ratios are hlopass / jax.jit. Times on a
-shared machine are noisy: both columns are measured side by side in one run.
+shared machine are noisy: both columns are measured side by side in one run, called in turns.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import statistics
 import sys
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 import numpy as np  # noqa: E402
 
 from hlopass.sizes import format_size, parse_size  # noqa: E402
+from tools import harness  # noqa: E402
 
 K = 5
 
@@ -49,26 +44,15 @@ def knn(x, y):
     return -values, indices
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-30)
-
-
-def _timed(fn, args, repeats: int):
-    import jax
-    start = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    memory = compiled.memory_analysis()
-    return out, dict(temp=int(memory.temp_size_in_bytes), arguments=int(memory.argument_size_in_bytes),
-                     outputs=int(memory.output_size_in_bytes), compile_s=compile_s,
-                     run_s=statistics.median(times))
+def _timed(columns: dict, args, repeats: int) -> dict[str, tuple]:
+    """Per column (name -> jitted): its output and figures (XLA's per-device memory, compile seconds and the
+    median call, the columns called in turns)."""
+    figures = {}
+    for name, fn in columns.items():
+        _, compiled, compile_s = harness.compile_timed(fn, args)
+        figures[name] = {**harness.memory_figures(compiled), "compile_s": compile_s}
+    timings = harness.time_calls({name: functools.partial(fn, *args) for name, fn in columns.items()}, repeats)
+    return {name: (timings[name].out, {**figures[name], "run_s": timings[name].median}) for name in columns}
 
 
 def run(n: int, m: int, d: int, threshold: int, repeats: int) -> list[dict]:
@@ -84,14 +68,13 @@ def run(n: int, m: int, d: int, threshold: int, repeats: int) -> list[dict]:
     v = jax.device_put(rng.standard_normal(m).astype(np.float32), NamedSharding(mesh, P()))
     rows = []
     for name, fn, args in [("kernel matvec", kernel_matvec, (x, y, v)), ("kNN (k=5)", knn, (x, y))]:
-        ours = hlopass.jit(fn, threshold=threshold)
-        out, figures = _timed(ours, args, repeats)
-        ref, ref_figures = _timed(jax.jit(fn), args, repeats)
+        timed = _timed({"hlopass": hlopass.jit(fn, threshold=threshold), "jit": jax.jit(fn)}, args, repeats)
+        (out, figures), (ref, ref_figures) = timed["hlopass"], timed["jit"]
         out, ref = jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)
-        error = _rel(out[0], ref[0])
+        error = harness.relative_difference(out[0], ref[0])
         if name.startswith("kNN"):
             at_index = np.sum((np.asarray(x)[:, None, :] - np.asarray(y)[np.asarray(out[1])]) ** 2, axis=-1)
-            error = max(error, _rel(at_index, ref[0]))
+            error = max(error, harness.relative_difference(at_index, ref[0]))
         rows.append(dict(program=name, n=n, m=m, d=d, devices=4, threshold=threshold, hlopass=figures,
                          jit=ref_figures, relative_error=error,
                          shardings=[str(a.sharding.spec) for a in out],
@@ -124,16 +107,15 @@ def main(argv=None) -> int:
     parser.add_argument("--threshold", default="64MB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="n = 2,404, m = 3,001 at 2 MB (a smoke run)")
-    parser.add_argument("--json", default=os.path.join(ROOT, "tools", "results", "sharded.json"))
+    parser.add_argument("--json", default=os.path.join(harness.RESULTS, "sharded.json"))
     args = parser.parse_args(argv)
     n, m, threshold = (2_404, 3_001, parse_size("2MB", "--threshold")) if args.tiny else (args.n, args.m,
                                                                           parse_size(args.threshold, "--threshold"))
     rows = run(n, m, args.d, threshold, args.repeats)
     print(table(rows))
-    with open(args.json, "w") as handle:
-        json.dump(dict(command=" ".join(["python", "tools/bench_sharded.py", *(argv or sys.argv[1:])]),
-                       note="4 host devices on a shared 2-core CPU machine; temp is XLA's per-device figure",
-                       rows=rows), handle, indent=1)
+    harness.write_json(args.json, dict(command=" ".join(["python", "-m", "tools.bench_sharded", *(argv or sys.argv[1:])]),
+                                       note="4 host devices on a shared 2-core CPU machine; temp is XLA's per-device "
+                                            "figure", rows=rows), indent=1)
     ok = all(r["same_shardings"] and r["relative_error"] < 2e-5 for r in rows)
     return 0 if ok else 1
 

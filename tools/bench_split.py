@@ -1,7 +1,7 @@
 """Benchmark the split pass against plain ``jax.jit`` and hand-written chunking (``lax.map``).
 
 On sizes where plain ``jax.jit`` still fits, for each workload: the median
-call time and XLA's temporary memory of
+call time (the three called in turns) and XLA's temporary memory of
 
 * ``jax.jit`` of the naive program,
 * ``hlopass.jit(passes="split")`` of the same program,
@@ -10,22 +10,19 @@ call time and XLA's temporary memory of
 with the ratios hlopass / jax.jit and lax.map / jax.jit. The process caps its
 own address space (``--cap``, default 8 GB) before JAX starts.
 
-    python tools/bench_split.py                 # full sizes (about a minute)
-    python tools/bench_split.py --tiny          # seconds-long smoke run
-    python tools/bench_split.py --json out.json
+    python -m tools.bench_split                 # full sizes (about a minute)
+    python -m tools.bench_split --tiny          # seconds-long smoke run
+    python -m tools.bench_split --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
+import functools
 import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import harness
 
 
 def _workloads(tiny: bool):
@@ -82,34 +79,24 @@ def _workloads(tiny: bool):
     return out
 
 
-def _measure(fn, args, repeats: int) -> dict:
+def _measure(columns: dict, args, repeats: int) -> dict[str, dict]:
+    """Each column (name -> function, jitted here unless it is) compiled, then called in turns: the median
+    seconds, XLA temp bytes and the result of each."""
     import jax
-    compiled = jax.jit(fn).lower(*args).compile() if not hasattr(fn, "lower") else fn.lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "temp": compiled.memory_analysis().temp_size_in_bytes,
-            "result": compiled(*args)}
-
-
-def _max_error(got, want) -> float:
-    import jax
-    import numpy as np
-    return max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))) /
-                     (np.max(np.abs(np.asarray(w, np.float64))) + 1e-30))
-               for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+    compiled = {name: (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compile()
+                for name, fn in columns.items()}
+    timings = harness.time_calls({name: functools.partial(c, *args) for name, c in compiled.items()}, repeats)
+    return {name: {"seconds": timings[name].median, "temp": harness.temp_bytes(compiled[name]),
+                   "result": timings[name].out} for name in columns}
 
 
 def run(tiny: bool, repeats: int) -> list[dict]:
     import hlopass
     rows = []
     for name, (naive, chunked, args, threshold) in _workloads(tiny).items():
-        plain = _measure(naive, args, repeats)
-        split = _measure(hlopass.jit(naive, passes="split", threshold=threshold), args, repeats)
-        mapped = _measure(chunked, args, repeats)
+        figures = _measure({"plain": naive, "split": hlopass.jit(naive, passes="split", threshold=threshold),
+                            "mapped": chunked}, args, repeats)
+        plain, split, mapped = figures["plain"], figures["split"], figures["mapped"]
         rows.append({
             "workload": name, "threshold": threshold,
             "jit_s": plain["seconds"], "split_s": split["seconds"], "map_s": mapped["seconds"],
@@ -118,8 +105,8 @@ def run(tiny: bool, repeats: int) -> list[dict]:
             # XLA:CPU reports 0 temp bytes for some plain programs (attention): no ratio then
             "mem_ratio": split["temp"] / plain["temp"] if plain["temp"] else None,
             "map_mem_ratio": mapped["temp"] / plain["temp"] if plain["temp"] else None,
-            "split_err": _max_error(split["result"], plain["result"]),
-            "map_err": _max_error(mapped["result"], plain["result"]),
+            "split_err": harness.relative_difference(split["result"], plain["result"]),
+            "map_err": harness.relative_difference(mapped["result"], plain["result"]),
         })
     return rows
 
@@ -153,13 +140,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per variant (median)")
     parser.add_argument("--cap", type=float, default=8.0, help="address-space cap in GB for this process")
     args = parser.parse_args(argv)
-    cap = int(args.cap * 1e9)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    harness.cap_address_space(int(args.cap * 1e9))
     rows = run(args.tiny, args.repeats or (2 if args.tiny else 5))
     print(_table(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=2)
+    harness.write_json(args.json, rows)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The benchmark suite: plain jax.jit against hand-written alternatives, KeOps and hlopass.
 
-    python tools/bench_suite.py [--tiny] [--workloads a,b] [--out DIR] [--repeats R] [--cap SIZE]
+    python -m tools.bench_suite [--tiny] [--workloads a,b] [--out DIR] [--repeats R] [--cap SIZE]
 
 Workloads come from ``fixtures/`` (kernel mat-vec, kNN L2 and L1, matrix
 chain, the Mix Flow-MG toy, attention forward+backward, the sparse-GP
@@ -27,28 +27,20 @@ writes the table between the README's ``<!-- bench_suite:start -->`` and
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import platform
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from hlopass.inspection.demo import RESULT_MARKER, report_result, run_capped, short_error  # noqa: E402
-from hlopass.sizes import format_size, parse_size  # noqa: E402
+from hlopass.sizes import format_size, parse_size
+from tools import harness
 
 COLUMNS = ("plain", "hand", "keops", "hlopass")
 COLUMN_TITLES = {"plain": "plain jax.jit", "hand": "hand-written", "keops": "KeOps", "hlopass": "hlopass"}
@@ -255,16 +247,6 @@ def workload_available(name: str) -> str | None:
 
 # -- the child: one or more measurements ---------------------------------------------------------
 
-def _leaves_sample(out) -> list[list[float]]:
-    import jax
-    sample = []
-    for leaf in jax.tree_util.tree_leaves(out):
-        flat = np.asarray(leaf, np.float64).ravel()
-        step = max(1, flat.size // SAMPLE)
-        sample.append(flat[::step][:SAMPLE].tolist())
-    return sample
-
-
 def measure_column(workload: str, column: str, tiny: bool, repeats: int) -> dict:
     """Compile and time one column of ``workload`` in this process."""
     import jax
@@ -278,53 +260,32 @@ def measure_column(workload: str, column: str, tiny: bool, repeats: int) -> dict
     try:
         if column == "keops":
             run = functools.partial(fun, *inputs)
-            start = time.perf_counter()
-            out = run()
-            result["compile_seconds"] = time.perf_counter() - start
+            with harness.stopwatch() as clock:  # its first call compiles
+                out = run()
+            result["compile_seconds"] = clock.seconds
         else:
             jitted = hlopass.jit(fun, **settings) if column == "hlopass" else jax.jit(fun)
-            start = time.perf_counter()
-            lowered = jitted.lower(*inputs)
-            compiled = lowered.compile()
-            result["compile_seconds"] = time.perf_counter() - start
-            result["xla_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+            lowered, compiled, result["compile_seconds"] = harness.compile_timed(jitted, inputs)
+            result["xla_temp_bytes"] = harness.temp_bytes(compiled)
             if column == "hlopass":
                 result["rewrites"] = [str(r) for r in lowered.report.rewrites]
             run = functools.partial(compiled, *inputs)
-            out = jax.block_until_ready(run())  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            times.append(time.perf_counter() - start)
-        result["times"] = times
-        result["median_seconds"] = statistics.median(times)
-        result["sample"] = _leaves_sample(out)
+        timing = harness.time_call(run, repeats, warmup=column != "keops")  # keops: its first call was the warm-up
+        result["times"] = timing.wall
+        result["median_seconds"] = timing.median
+        result["sample"] = harness.sample(out if column == "keops" else timing.out, SAMPLE)
     except Exception as err:  # noqa: BLE001 - a failure (out of memory above all) is a result
-        result.update(status="failed", error=short_error(err))
+        result.update(status="failed", error=harness.short_error(err))
     return result
 
 
 def child_main(specs: list[str], tiny: bool, repeats: int) -> None:
     """Measure each ``workload:column`` of ``specs`` in this process and report them together."""
     results = [measure_column(*spec.split(":"), tiny, repeats) for spec in specs]
-    report_result({"results": results})
+    harness.report_result({"results": results})
 
 
 # -- the parent ---------------------------------------------------------------------------------
-
-def sample_difference(a: list[list[float]], b: list[list[float]]) -> float | None:
-    """Largest relative difference between two output samples (``None`` if they do not line up)."""
-    if a is None or b is None or len(a) != len(b):
-        return None
-    worst = 0.0
-    for x, y in zip(a, b):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape:
-            return None
-        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0) / max(np.max(np.abs(y), initial=0.0), 1e-30)))
-    return worst
-
 
 def run_suite(names: list[str], tiny: bool, repeats: int, cap_bytes: int, echo=print,
               keops: bool = True) -> list[dict]:
@@ -345,11 +306,12 @@ def run_suite(names: list[str], tiny: bool, repeats: int, cap_bytes: int, echo=p
     # one process per measurement; --tiny runs them all in one process (seconds, no per-column RSS)
     groups = [specs] if tiny and specs else [[spec] for spec in specs]
     rows: list[dict] = []
-    for step, group in enumerate(groups, 1):
+    for step, group in enumerate(harness.progress(groups, "bench_suite"), 1):
         what = group[0] if len(group) == 1 else f"{len(group)} measurements in one process"
         echo(f"[{step}/{len(groups)}] {what} ...")
-        argv = [os.path.abspath(__file__), "--child", ",".join(group), "--repeats", str(repeats)]
-        outcome = run_capped(argv + (["--tiny"] if tiny else []), cap_bytes, env={"PYTHONPATH": ROOT})
+        argv = harness.module_argv("bench_suite", "--child", ",".join(group), "--repeats", str(repeats),
+                                   *(["--tiny"] if tiny else []))
+        outcome = harness.run_capped(argv, cap_bytes)
         measured = outcome.get("results") or [
             {"workload": spec.split(":")[0], "column": spec.split(":")[1], **outcome} for spec in group]
         for row in measured:
@@ -386,7 +348,7 @@ def check_numbers(rows: list[dict]) -> None:
         reference = next((columns[c] for c in ("plain", "hand") if columns.get(c, {}).get("status") == "ok"), None)
         for row in columns.values():
             if reference is not None and row.get("status") == "ok" and row is not reference:
-                row["max_rel_diff"] = sample_difference(row.get("sample"), reference.get("sample"))
+                row["max_rel_diff"] = harness.sample_difference(row.get("sample"), reference.get("sample"))
                 row["reference"] = reference["column"]
 
 
@@ -491,17 +453,12 @@ def write_outputs(rows: list[dict], out_dir: str, tiny: bool, descriptions: dict
     os.makedirs(out_dir, exist_ok=True)
     written = []
     path = os.path.join(out_dir, "results.json")
-    with open(path, "w") as handle:
-        json.dump({"machine": machine_description(), "tiny": tiny, "descriptions": descriptions,
-                   "results": [{k: v for k, v in r.items() if k != "sample"} for r in rows]}, handle, indent=2)
+    harness.write_json(path, {"machine": machine_description(), "tiny": tiny, "descriptions": descriptions,
+                              "results": harness.without(rows, "sample")})
     written.append(path)
     path = os.path.join(out_dir, "results.csv")
-    fields = ["workload", "column", "status", "xla_temp_bytes", "peak_rss_bytes", "median_seconds",
-              "compile_seconds", "max_rel_diff", "reference", "error"]
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(path, rows, ["workload", "column", "status", "xla_temp_bytes", "peak_rss_bytes",
+                                   "median_seconds", "compile_seconds", "max_rel_diff", "reference", "error"])
     written.append(path)
     path = os.path.join(out_dir, "results.md")
     with open(path, "w") as handle:
@@ -532,7 +489,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small sizes, all columns of a workload in one child")
     parser.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
-    parser.add_argument("--out", default=os.path.join(ROOT, "tools", "results"), help="folder for the results")
+    parser.add_argument("--out", default=harness.RESULTS, help="folder for the results")
     parser.add_argument("--json", help="also write results.json's content to this path")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 5, tiny 2)")
     parser.add_argument("--cap", default=DEFAULT_CAP, help=f"address-space cap per child (default {DEFAULT_CAP})")
@@ -556,9 +513,7 @@ def main(argv=None) -> int:
     rows = run_suite(names, options.tiny, repeats, parse_size(options.cap, "--cap"), echo, keops=not options.no_keops)
     descriptions = {r["workload"]: r["description"] for r in rows if r.get("description")}
     written = write_outputs(rows, options.out, options.tiny, descriptions)
-    if options.json:
-        with open(options.json, "w") as handle:
-            json.dump({"results": [{k: v for k, v in r.items() if k != "sample"} for r in rows]}, handle, indent=2)
+    harness.write_json(options.json, {"results": harness.without(rows, "sample")})
     table = markdown_table(rows, descriptions, options.tiny)
     if options.update_readme:
         update_readme(options.update_readme, table)

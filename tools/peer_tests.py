@@ -1,8 +1,8 @@
 """JAX's own tests through hlopass: JAX 0.10.2's test files with ``jax.jit`` routed to ``hlopass.jit``.
 
-    python tools/peer_tests.py                         # the seven files, all cases; writes tools/results/peer_tests.md
-    python tools/peer_tests.py --files reducers,einsum -k "testEinsum" --json out.json
-    python tools/peer_tests.py --files lax --no-baseline --threshold 8
+    python -m tools.peer_tests                         # the seven files, all cases; writes tools/results/peer_tests.md
+    python -m tools.peer_tests --files reducers,einsum -k "testEinsum" --json out.json
+    python -m tools.peer_tests --files lax --no-baseline --threshold 8
 
 The test files are read from ``shared/peer-tests/jax-0.10.2/`` beside the repository (or a folder above it;
 ``--peer-dir``, or ``HLOPASS_PEER_DIR``);
@@ -41,6 +41,8 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from tools import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = {
@@ -233,10 +235,10 @@ def _pytest(peer_dir: Path, targets: list[str], route: bool, junit: Path, extra_
         env.pop(name, None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "peer_tests", "--rootdir",
            str(peer_dir), "-o", "addopts=", "--junitxml", str(junit), *targets]
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=peer_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=timeout)
-    return time.perf_counter() - start
+    with harness.stopwatch() as clock:
+        subprocess.run(cmd, cwd=peer_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=timeout)
+    return clock.seconds
 
 
 def _outcomes(junit: Path) -> dict[str, dict]:
@@ -307,6 +309,7 @@ def run(files: list[str], peer_dir: Path, selection: str | None, jobs: int, base
         return name, junit, stat, time.perf_counter(), subprocess.Popen(
             cmd, cwd=peer_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+    bar = harness.Progress(len(pending), "peer_tests")
     while pending or running:
         while pending and len(running) < jobs:
             running.append(launch(pending.pop(0)))
@@ -319,6 +322,8 @@ def run(files: list[str], peer_dir: Path, selection: str | None, jobs: int, base
                 proc.kill()
             running.remove(item)
             seconds[name] = time.perf_counter() - start
+            bar.update(note=name)
+    bar.close()
 
     return summarise(files, peer_dir, selection, baseline, threshold, split_size, timeout, workdir, seconds)
 
@@ -381,11 +386,9 @@ def markdown(summary: dict, command: str) -> str:
              f"Command: `{command}` (JAX_NUM_GENERATED_CASES={os.environ.get('JAX_NUM_GENERATED_CASES', '3')}; "
              f"threshold {summary['threshold']} B, split size {summary['split_size']} B). "
              f"Machine: 2 shared CPU cores; {time.strftime('%Y-%m-%d')}.", "",
-             "| file | passed | failed | skipped | seconds |", "|---|---|---|---|---|"]
-    for name in summary["files"]:
-        c = summary["per_file"].get(name, {})
-        lines.append(f"| {FILES[name]} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('skipped', 0)} | "
-                     f"{summary['seconds'].get(name, 0):.0f} |")
+             harness.markdown_table(["file", "passed", "failed", "skipped", "seconds"], [
+                 [FILES[name], *(summary["per_file"].get(name, {}).get(k, 0) for k in ("passed", "failed", "skipped")),
+                  f"{summary['seconds'].get(name, 0):.0f}"] for name in summary["files"]])]
     lines += ["", f"Tests in which at least one rewrite fired: {summary['tests_with_rewrites']}. "
               "Rewrites, by pass and kind: " + ", ".join(f"{k} {v}" for k, v in
                                                          sorted(summary['rewrites'].items(), key=lambda kv: -kv[1])),
@@ -439,7 +442,7 @@ def main(argv=None) -> int:
         else:
             summary = run(files, peer_dir, args.selection, args.jobs, args.baseline, args.threshold, split_size,
                           args.timeout, workdir)
-    command = "python tools/peer_tests.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tools.peer_tests " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     md_path = args.markdown or (ROOT / "tools" / "results" / "peer_tests.md"

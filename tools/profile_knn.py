@@ -17,30 +17,25 @@ and wall time of interleaved calls), the parts of the loop hlopass emits and the
   to the lower index;
 * ``keops``: ``pykeops`` ``argKmin`` (when installed), as ``tools/bench_knn_speed.py`` runs it.
 
-    python tools/profile_knn.py [--kind l1|l2] [--queries 2000] [--points 100000] [--d 3] [--group 16] [--repeats 5]
+    python -m tools.profile_knn [--kind l1|l2] [--queries 2000] [--points 100000] [--d 3] [--group 16] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
-import statistics
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-
-import hlopass  # noqa: E402
-from fixtures.knn import knn_l1, knn_l2  # noqa: E402
-from hlopass.passes.split import SplitPass  # noqa: E402
-from tools.bench_knn_speed import keops_knn  # noqa: E402
+import hlopass
+from fixtures.knn import knn_l1, knn_l2
+from hlopass.passes.split import SplitPass
+from tools import harness
+from tools.bench_knn_speed import keops_knn
 
 K = 10
 
@@ -96,12 +91,6 @@ def grouped_knn(q, p, k, chunk, group, kind):
     return dist.reshape(-1, k), idx.reshape(-1, k)
 
 
-def timed(fn, *args) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kind", choices=("l1", "l2"), default="l1")
@@ -145,16 +134,10 @@ def main(argv=None) -> int:
     got = np.sort(np.asarray(fns[f"grouped, fused (G = {options.group})"]()[1]), 1)
     same = float(np.mean(got == want))
     print(f"grouped selection: same neighbours as jax.jit for {same:.4%} of the entries")
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(options.repeats):
-        for name, fn in fns.items():
-            times[name].append(timed(fn))
-    base = statistics.median(c for _, c in times["hlopass"])
-    for name, runs in times.items():
-        wall = statistics.median(w for w, _ in runs)
-        cpu = statistics.median(c for _, c in runs)
+    timings = harness.time_calls(fns, options.repeats, label="profile_knn")  # a warm-up call each, then in turns
+    base = timings["hlopass"].median_cpu
+    for name, timing in timings.items():
+        wall, cpu = timing.median, timing.median_cpu
         print(f"  {name:28s} {wall:7.3f} s wall {cpu:7.3f} s CPU   CPU / hlopass {cpu / base:5.2f}")
     return 0 if same == 1.0 else 1
 

@@ -1,6 +1,6 @@
 """Scaling of the kernel matrix-vector product under hlopass, up to n = 200,000 (a 160 GB dense kernel).
 
-    python tools/scaling.py [--sizes 10000,20000,...] [--cap 4GB] [--tiny] [--out DIR]
+    python -m tools.scaling [--sizes 10000,20000,...] [--cap 4GB] [--tiny] [--out DIR]
 
 For each n, ``hlopass.jit(kernel_matvec)`` (``fixtures/kernels.py``, naive
 broadcast distance, d = 3, float32, default settings) runs in a child process
@@ -17,19 +17,13 @@ Figure 2) to ``--out`` (default ``tools/results/``).
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from hlopass.inspection.demo import run_capped  # noqa: E402
-from hlopass.sizes import format_size, parse_size  # noqa: E402
+from hlopass.sizes import format_size, parse_size
+from tools import harness
 
 DEFAULT_SIZES = (10_000, 20_000, 40_000, 60_000, 100_000, 140_000, 200_000)
 TINY_SIZES = (1_000, 2_000, 4_000)
@@ -38,23 +32,22 @@ DEFAULT_CAP = "4GB"
 
 def measure(mode: str, n: int, cap_bytes: int) -> dict:
     """One run of the demo's child for ``mode`` ("plain" or "hlopass") at ``n``."""
-    result = run_capped(["-m", "hlopass.inspection.demo", "--child", mode, "--n", str(n)], cap_bytes, timeout=1800,
-                        env={"PYTHONPATH": ROOT})
+    result = harness.run_capped(["-m", "hlopass.inspection.demo", "--child", mode, "--n", str(n)], cap_bytes,
+                                timeout=1800)
     return {"mode": mode, "n": n, "dense_kernel_bytes": n * n * 4, **result}
 
 
 def run(sizes, cap_bytes: int, echo=print) -> list[dict]:
     """hlopass at every size; plain jax.jit at every size until its first failure."""
     rows, plain_failed = [], False
-    for n in sizes:
-        for mode in ("plain", "hlopass"):
-            if mode == "plain" and plain_failed:
-                continue
-            echo(f"  n = {n:,} ({format_size(n * n * 4)} dense kernel), {mode} ...")
-            row = measure(mode, n, cap_bytes)
-            rows.append(row)
-            echo(f"    {describe(row)}")
-            plain_failed |= mode == "plain" and row["status"] != "ok"
+    for n, mode in harness.progress([(n, mode) for n in sizes for mode in ("plain", "hlopass")], "scaling"):
+        if mode == "plain" and plain_failed:
+            continue
+        echo(f"  n = {n:,} ({format_size(n * n * 4)} dense kernel), {mode} ...")
+        row = measure(mode, n, cap_bytes)
+        rows.append(row)
+        echo(f"    {describe(row)}")
+        plain_failed |= mode == "plain" and row["status"] != "ok"
     return rows
 
 
@@ -131,14 +124,9 @@ def write(rows: list[dict], out_dir: str, cap_bytes: int) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     fit = fit_quadratic(rows)
     paths = [os.path.join(out_dir, name) for name in ("scaling.json", "scaling.csv")]
-    with open(paths[0], "w") as handle:
-        json.dump({"cap_bytes": cap_bytes, "fit": fit, "rows": rows}, handle, indent=2, default=str)
-    fields = ["mode", "n", "status", "xla_temp_bytes", "peak_rss_bytes", "compile_seconds", "run_seconds",
-              "error_vs_float64", "error"]
-    with open(paths[1], "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_json(paths[0], {"cap_bytes": cap_bytes, "fit": fit, "rows": rows}, default=str)
+    harness.write_csv(paths[1], rows, ["mode", "n", "status", "xla_temp_bytes", "peak_rss_bytes", "compile_seconds",
+                                       "run_seconds", "error_vs_float64", "error"])
     picture = plot(rows, os.path.join(out_dir, "scaling.png"), cap_bytes)
     return paths + ([picture] if picture else [])
 
@@ -148,7 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", help="comma-separated n values (default: 10k ... 200k)")
     parser.add_argument("--tiny", action="store_true", help=f"sizes {TINY_SIZES} (seconds)")
     parser.add_argument("--cap", default=DEFAULT_CAP, help=f"address-space cap per child (default {DEFAULT_CAP})")
-    parser.add_argument("--out", default=os.path.join(ROOT, "tools", "results"))
+    parser.add_argument("--out", default=harness.RESULTS)
     options = parser.parse_args(argv)
     sizes = ([int(s) for s in options.sizes.split(",")] if options.sizes
              else list(TINY_SIZES if options.tiny else DEFAULT_SIZES))
@@ -158,19 +146,17 @@ def main(argv=None) -> int:
     written = write(rows, options.out, cap_bytes)
     fit = fit_quadratic(rows)
     print()
-    print("| n | dense kernel | plain jax.jit | hlopass time | hlopass XLA temp | hlopass peak RSS | error vs float64 |")
-    print("|---|---|---|---|---|---|---|")
+    lines = []
     for n in sizes:
         plain = next((r for r in rows if r["n"] == n and r["mode"] == "plain"), None)
         ours = next(r for r in rows if r["n"] == n and r["mode"] == "hlopass")
         plain_cell = "not run" if plain is None else (f"{plain['run_seconds']:.2f} s" if plain["status"] == "ok"
                                                       else "OOM" if "RESOURCE" in plain.get("error", "") else plain["status"])
-        if ours["status"] == "ok":
-            print(f"| {n:,} | {format_size(n * n * 4)} | {plain_cell} | {ours['run_seconds']:.2f} s "
-                  f"| {format_size(ours['xla_temp_bytes'])} | {format_size(ours['peak_rss_bytes'])} "
-                  f"| {ours['error_vs_float64']:.1e} |")
-        else:
-            print(f"| {n:,} | {format_size(n * n * 4)} | {plain_cell} | {ours['status']} | - | - | - |")
+        lines.append([f"{n:,}", format_size(n * n * 4), plain_cell] + (
+            [f"{ours['run_seconds']:.2f} s", format_size(ours['xla_temp_bytes']), format_size(ours['peak_rss_bytes']),
+             f"{ours['error_vs_float64']:.1e}"] if ours["status"] == "ok" else [ours["status"], "-", "-", "-"]))
+    print(harness.markdown_table(["n", "dense kernel", "plain jax.jit", "hlopass time", "hlopass XLA temp",
+                                  "hlopass peak RSS", "error vs float64"], lines))
     if fit:
         print(f"\nfit: t = {fit[0]:.3e} s · n²  (R² = {fit[1]:.4f})")
     print("written: " + ", ".join(written))

@@ -1,6 +1,6 @@
 """JAX's own tests through hlopass, a CI-sized subset: ``tools/peer_tests.py`` on chosen cases of
 JAX 0.10.2's reducer and einsum tests (the ones where rewrites fire at a 1-byte threshold), compared
-with a checked-in list of known, explained failures. The full run is ``python tools/peer_tests.py``
+with a checked-in list of known, explained failures. The full run is ``python -m tools.peer_tests``
 (results in tools/results/peer_tests.md)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_jax_peer_tests_subset_through_hlopass(tmp_path):
     if not (PEER_DIR / "lax_numpy_reducers_test.py").exists():
         pytest.fail(f"JAX's test files are not in {PEER_DIR}")
     out = tmp_path / "peer.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "peer_tests.py"), "--files", FILES, "-k", SELECTION,
+    proc = subprocess.run([sys.executable, "-m", "tools.peer_tests", "--files", FILES, "-k", SELECTION,
                            "--json", str(out), "--peer-dir", str(PEER_DIR)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

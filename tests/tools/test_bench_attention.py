@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -12,8 +11,7 @@ import numpy as np
 import pytest
 
 from tests import ROOT
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import bench_attention  # noqa: E402
+from tools import bench_attention
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -49,7 +47,7 @@ def test_table_ratios_reference_and_not_run():
 @pytest.mark.slow
 def test_tiny_run_is_bounded_and_equal(tmp_path):
     out = tmp_path / "attention.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"), "--tiny", "--repeats",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_attention", "--tiny", "--repeats",
                            "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())

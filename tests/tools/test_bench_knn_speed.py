@@ -14,7 +14,7 @@ from tests import ROOT
 @pytest.mark.slow
 def test_bench_knn_speed_tiny(tmp_path):
     out = tmp_path / "knn.json"
-    done = subprocess.run([sys.executable, "tools/bench_knn_speed.py", "--tiny", "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "tools.bench_knn_speed", "--tiny", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "speedup (wall): plain/hlopass" in done.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from tests import ROOT
 @pytest.mark.slow
 def test_tiny_run_keeps_no_worse_than_plain_and_writes_json(tmp_path):
     out = tmp_path / "never_worse.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_never_worse.py"), "--tiny",
+    done = subprocess.run([sys.executable, "-m", "tools.bench_never_worse", "--tiny",
                            "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ratios hlopass/plain" in done.stdout

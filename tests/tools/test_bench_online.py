@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests import ROOT
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import bench_online  # noqa: E402
+from tools import bench_online
 
 
 def test_table_ratios_and_bounds():
@@ -32,7 +30,7 @@ def test_table_ratios_and_bounds():
 @pytest.mark.slow
 def test_tiny_run_is_bounded_and_equal(tmp_path):
     out = tmp_path / "online.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_online.py"), "--tiny", "--rows",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_online", "--tiny", "--rows",
                            "contrastive", "--repeats", "1", "--json", str(out)], capture_output=True, text=True,
                           cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -4,7 +4,6 @@ hand-written checkpointing and hlopass's gradients equal to plain's, hlopass wit
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ from tests import ROOT
 @pytest.mark.slow
 def test_tiny_run_writes_every_column_and_hlopass_fits(tmp_path):
     out = tmp_path / "remat.json"
-    command = [sys.executable, os.path.join(ROOT, "tools", "bench_remat.py"), "--tiny", "--json", str(out)]
+    command = [sys.executable, "-m", "tools.bench_remat", "--tiny", "--json", str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

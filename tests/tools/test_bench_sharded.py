@@ -17,7 +17,7 @@ def test_bench_sharded_tiny(tmp_path):
     out = tmp_path / "sharded.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_sharded.py"), "--tiny", "--repeats", "1",
+    done = subprocess.run([sys.executable, "-m", "tools.bench_sharded", "--tiny", "--repeats", "1",
                            "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "| kernel matvec | 2,404 x 3,001 |" in done.stdout and "| kNN (k=5) |" in done.stdout

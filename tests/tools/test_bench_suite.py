@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 
@@ -13,15 +12,14 @@ import pytest
 import hlopass
 
 from tests import ROOT
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import bench_suite  # noqa: E402
+from tools import bench_suite, harness
 
 
 def test_sample_difference_is_relative_and_refuses_mismatched_shapes():
-    assert bench_suite.sample_difference([[1.0, 2.0]], [[1.0, 2.0]]) == 0.0
-    assert bench_suite.sample_difference([[1.0, 2.2]], [[1.0, 2.0]]) == pytest.approx(0.1)
-    assert bench_suite.sample_difference([[1.0]], [[1.0, 2.0]]) is None
-    assert bench_suite.sample_difference([[1.0]], None) is None
+    assert harness.sample_difference([[1.0, 2.0]], [[1.0, 2.0]]) == 0.0
+    assert harness.sample_difference([[1.0, 2.2]], [[1.0, 2.0]]) == pytest.approx(0.1)
+    assert harness.sample_difference([[1.0]], [[1.0, 2.0]]) is None
+    assert harness.sample_difference([[1.0]], None) is None
 
 
 def test_markdown_table_has_ratios_and_marks_out_of_memory():
@@ -42,7 +40,7 @@ def test_markdown_table_has_ratios_and_marks_out_of_memory():
 @pytest.mark.slow
 def test_tiny_run_writes_results_that_check_out(tmp_path):
     out = tmp_path / "bench"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_suite.py"), "--tiny", "--no-keops", "--out", str(out),
+    done = subprocess.run([sys.executable, "-m", "tools.bench_suite", "--tiny", "--no-keops", "--out", str(out),
                            "--json", str(tmp_path / "copy.json")], capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "[1/1]" in done.stdout and "| workload |" in done.stdout  # progress, then the table
@@ -70,7 +68,7 @@ def test_tiny_run_writes_results_that_check_out(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_tiny_run_fits_time_against_n_squared(tmp_path):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling.py"), "--sizes", "1000,2000",
+    done = subprocess.run([sys.executable, "-m", "tools.scaling", "--sizes", "1000,2000",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "scaling.json").read_text())

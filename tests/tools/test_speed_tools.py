@@ -20,7 +20,7 @@ def run_tool(*argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_bench_chunks_tiny(tmp_path):
     out = tmp_path / "chunks.json"
-    run_tool("tools/bench_chunks.py", "--tiny", "--json", str(out))
+    run_tool("-m", "tools.bench_chunks", "--tiny", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["program"] for r in rows] == ["kNN L1", "kNN L2", "kernel mat-vec"]
     for row in rows:
@@ -33,7 +33,7 @@ def test_bench_chunks_tiny(tmp_path):
 @pytest.mark.slow
 def test_profile_knn_tiny():
     """The grouped selection it measures returns jax.jit's neighbours (the tool exits 1 otherwise)."""
-    done = run_tool("tools/profile_knn.py", "--queries", "40", "--points", "4096", "--group", "16", "--repeats", "1")
+    done = run_tool("-m", "tools.profile_knn", "--queries", "40", "--points", "4096", "--group", "16", "--repeats", "1")
     assert "same neighbours as jax.jit for 100.0000%" in done.stdout
     for part in ("distances only", "top_k only", "hlopass", "grouped, fused (G = 16)", "plain jax.jit"):
         assert part in done.stdout, done.stdout
@@ -41,7 +41,7 @@ def test_profile_knn_tiny():
 
 def test_bench_overhead_tiny(tmp_path):
     out = tmp_path / "overhead.json"
-    run_tool("tools/bench_overhead.py", "--tiny", "--json", str(out))
+    run_tool("-m", "tools.bench_overhead", "--tiny", "--json", str(out))
     figures = json.loads(out.read_text())
     assert set(figures["programs"]) == {"forward", "gradient"}
     for row in figures["programs"].values():

@@ -13,8 +13,8 @@ from tests import ROOT
 @pytest.mark.slow
 def test_bench_knn_l2_tiny(tmp_path):
     out = tmp_path / "knn.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_knn_l2.py"), "--tiny",
-                           "--repeat", "1", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "tools.bench_knn_l2", "--tiny",
+                           "--repeat", "1", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "hlopass.jit naive" in done.stdout and "vs expanded" in done.stdout
     results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
@@ -31,7 +31,7 @@ def test_bench_exact_rewrites_tiny(tmp_path):
     """The exact-rewrite benchmark runs with no settings, every workload rewritten, same numbers."""
     out = tmp_path / "exact.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HLOPASS_")}
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_exact_rewrites.py"), "--tiny",
+    done = subprocess.run([sys.executable, "-m", "tools.bench_exact_rewrites", "--tiny",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "speedup" in done.stdout and "diag(A@B)" in done.stdout and "HLOPASS_* unset: True" in done.stdout

@@ -1,7 +1,6 @@
 """Smoke run of tools/bench_hvp.py (--tiny) through a subprocess."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ from tests import ROOT
 
 def test_bench_hvp_tiny(tmp_path):
     out = tmp_path / "hvp.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_hvp.py"), "--tiny", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_hvp", "--tiny", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "handwritten" in proc.stdout and "hlopass_grad" in proc.stdout

@@ -1,7 +1,6 @@
 """The matrix-chain benchmark's tiny run: every chain reordered, same values as jax.jit."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ from tests import ROOT
 @pytest.mark.slow
 def test_tiny_run_reorders_every_chain(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_matrix_chain.py"), "--tiny",
+    result = subprocess.run([sys.executable, "-m", "tools.bench_matrix_chain", "--tiny",
                              "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "speedup" in result.stdout and "A@B@v" in result.stdout

@@ -1,7 +1,6 @@
 """Smoke run of tools/bench_split.py (--tiny) in a subprocess: it runs, prints the table, writes JSON."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ from tests import ROOT
 
 def test_bench_split_tiny(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_split.py"), "--tiny", "--repeats", "1",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_split", "--tiny", "--repeats", "1",
                            "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "median time ratio split/jax.jit" in proc.stdout
@@ -24,7 +23,7 @@ def test_bench_split_tiny(tmp_path):
 def test_bench_gp_tiny(tmp_path):
     """tools/bench_gp.py at tiny sizes: children run, the table prints, the bounds hold."""
     out = tmp_path / "gp.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gp.py"), "--tiny", "--programs",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_gp", "--tiny", "--programs",
                            "gather,class_sums", "--passes", "split", "--json", str(out)], capture_output=True,
                           text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
