@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from tools import harness
+
 RESULT = "BENCH_COMPILE_RESULT "
 TIMEOUT_S = 600
 
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'program':<24} {'plain':>7} {'nothing':>8} {'ratio':>6} {'forced':>8} {'ratio':>6}  "
           "slowest parts (forced)")
-    for name in args.programs.split(","):
+    for name in harness.progress(args.programs.split(","), "programs"):
         row = {"program": name, "doc": PROGRAMS[name].__doc__.split("\n")[0],
                **{column: run_child(name, column) for column in ("plain", "nothing", "forced")}}
         rows.append(row)
@@ -298,9 +300,7 @@ def main(argv=None) -> int:
         print(f"{name:<24} {row['plain_first_call_s']:7.2f} {n['first_call_s']:8.2f} {n['ratio_first_call']:6.2f} "
               f"{f['first_call_s']:8.2f} {f['ratio_first_call']:6.2f}  trace {f['trace_s']:.2f} s, {parts_text}, "
               f"lower {f['lower_s']:.2f} s, compile {f['compile_s']:.2f} s ({f['rewrites']} rewrites)", flush=True)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"rows": rows}, fh, indent=1)
+        harness.write_json(args.json, {"rows": rows}, indent=1)
     return 0
 
 
