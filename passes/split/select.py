@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 #: Group size: large enough that ``top_k`` sees ``G`` times fewer elements, small enough that the
-#: ``k·G`` candidates stay cheap (``python tools/profile_knn.py --group G``: 16 and 32 are within 10%).
+#: ``k·G`` candidates stay cheap (``python -m tools.profile_knn --group G``: 16 and 32 are within 10%).
 GROUP = 32
 #: The grouped selection is used when a row holds at least this many groups per selected element
 #: (fewer, and the gather of ``k·G`` candidates costs what it saves).
