@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 from hlopass import internals as jx
 
+from hlopass.families import CHAIN, LAYOUT
 from hlopass.finite import finite_or_written, why_unguarded
 from hlopass.interpreter import written_between
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
@@ -101,9 +102,10 @@ def finite_guard(closed: jx.ClosedJaxpr, c: Candidate, threshold: int | None, sp
 
 
 
-#: Primitives of a plain chain of products and sums (what the matrix-chain pass reorders).
-CHAIN_PRIMITIVES = frozenset({"dot_general", "reduce_sum", "transpose", "convert_element_type", "reshape",
-                              "squeeze", "expand_dims"})
+#: Primitives of a plain chain of products and sums (what the matrix-chain pass reorders): its links but
+#: ``mul`` and ``broadcast_in_dim``, which it takes only by a scalar and to add axes of size 1, where here
+#: they are a broadcast product.
+CHAIN_PRIMITIVES = CHAIN - {"mul", "broadcast_in_dim"}
 
 
 
@@ -257,8 +259,7 @@ def keep_effective(jaxpr: jx.Jaxpr, candidates: list[Candidate], report) -> list
 #: Producers whose large result an exact rewrite can skip: a broadcast product, a matrix product.
 EXACT_PRODUCERS = frozenset({"mul", "dot_general"})
 #: What may stand between such a producer and the root (relabelling, selection).
-LOOKED_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "copy",
-                            "select_n", "neg", "broadcast_in_dim"})
+LOOKED_THROUGH = LAYOUT | {"select_n", "neg"}
 
 
 def may_save_exactly(eqn, scope: Scope, depth: int = 4) -> bool:
