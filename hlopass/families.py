@@ -5,7 +5,13 @@ tables (``defvectorized``, ``dce_rules``). A pass that needs "every
 elementwise primitive" or "the monoid of this reduction" reads it here, so
 the split rules, the algebraic patterns, the drawings and the inliner cannot
 drift apart. Per-pass knowledge (how an axis runs through a primitive, how a
-polynomial expands) stays in the pass's own tables.
+polynomial expands) stays in the pass's own tables; a pass's set that is a family
+with a few differences is written as the family plus or minus them, named.
+
+Every name is a primitive of at least one supported JAX version (its manifest in
+``tools/jax_api/manifests``), or hlopass's own: ``tests/core/test_vocabulary.py``
+checks these tables and the passes' per-primitive tables. ``jnp.expand_dims`` is a
+``broadcast_in_dim``, ``jax.checkpoint`` binds ``remat2``, ``jax.jit`` binds ``jit``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 #: Primitives applied element by element (numpy broadcasting of size-1 axes and scalars).
 ELEMENTWISE = frozenset("""
     abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz conj
-    convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt
+    convert_element_type copy cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt
     igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
     not optimization_barrier or polygamma population_count pow real reduce_precision rem round rsqrt
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
@@ -34,15 +40,26 @@ CUMULATIVE: dict[str, str] = {
     "cumsum": "add", "cumprod": "mul", "cummax": "max", "cummin": "min", "cumlogsumexp": "logaddexp",
 }
 
-#: Plain calls of a sub-jaxpr: inlining one changes nothing.
-CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "eval_jaxpr"})
+#: Layout primitives: the operand's elements, moved, repeated or retyped, none computed (a new shape,
+#: an axis order, broadcast copies, another dtype, a copy). What a walk looks through when it follows a
+#: value rather than a computation; each user names what it adds or leaves out.
+LAYOUT = frozenset({"reshape", "squeeze", "transpose", "broadcast_in_dim", "convert_element_type", "copy"})
+
+#: What a chain of products is made of (the matrix-chain pass reorders such chains; the algebraic
+#: pass leaves a plain sum of one to it): contractions, sums, a ``mul`` by a scalar and the layout
+#: primitives but ``copy``.
+CHAIN = (LAYOUT - {"copy"}) | {"dot_general", "reduce_sum", "mul"}
+
+#: Plain calls of a sub-jaxpr: inlining one changes nothing. (JAX 0.10's ``call``, whose body is an open
+#: jaxpr under ``call_jaxpr``, is left as it is: ``jaxpr_utils.call_body`` does not read such a body.)
+CALLS = frozenset({"jit", "closed_call", "eval_jaxpr"})
 
 #: Rematerialisation boundaries (``jax.checkpoint``): a call whose body JAX recomputes for the
 #: backward pass. Once JAX has split a program into forward and backward calls it is a plain call.
-REMAT = frozenset({"checkpoint", "remat", "remat2"})
+REMAT = frozenset({"remat2"})
 
 #: Calls with custom differentiation rules; their body is the primal computation.
-CUSTOM_DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+CUSTOM_DERIVATIVE_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call"})
 
 #: Loops; their bodies run many times.
 LOOPS = frozenset({"while", "scan"})
@@ -57,10 +74,8 @@ OWN_PROGRAMS = frozenset({"hlopass_call"})
 #: What a rematerialised gradient recomputes instead of saving: cheap per element of the result,
 #: and what the split pass can bound. Anything else (factorisations, solves, sorts, FFTs, loops,
 #: custom calls) is saved as JAX would save it.
-CHEAP_TO_RECOMPUTE = ELEMENTWISE | frozenset(REDUCTIONS) | ARG_REDUCTIONS | frozenset(CUMULATIVE) | frozenset("""
-    broadcast_in_dim reshape transpose squeeze expand_dims iota concatenate pad slice dynamic_slice rev
-    select_n convert_element_type copy reduce_precision square
-""".split())
+CHEAP_TO_RECOMPUTE = ELEMENTWISE | frozenset(REDUCTIONS) | ARG_REDUCTIONS | frozenset(CUMULATIVE) | LAYOUT | frozenset(
+    "iota concatenate pad slice dynamic_slice rev select_n reduce_precision square".split())
 
 #: Every primitive whose equation simply runs one sub-jaxpr on its operands.
 INLINABLE = CALLS | REMAT | CUSTOM_DERIVATIVE_CALLS

@@ -94,7 +94,7 @@ JAXPRS_CARRY_CONSTS = ClosedJaxpr is Jaxpr
 
 #: Equations whose ``jaxpr`` parameter is an open body, its constants passed as operands.
 #: Where jaxprs carry constants, the type no longer says so and this table does.
-OPEN_BODIES = frozenset({"checkpoint", "remat", "remat2", "shard_map"})
+OPEN_BODIES = frozenset({"remat2", "shard_map"})  # jax.checkpoint binds remat2
 
 
 def is_closed_jaxpr(value) -> bool:

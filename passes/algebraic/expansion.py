@@ -66,7 +66,7 @@ from jax import lax
 from hlopass import internals as jx
 
 from hlopass.einsum_order import einsum_order
-from hlopass.families import dot_general_operand_labels
+from hlopass.families import INLINABLE, dot_general_operand_labels
 from hlopass.jaxpr_utils import aval_nbytes
 
 #: The most sums multiplied together that an expansion may hold (2: a square). Not a tuning
@@ -528,7 +528,7 @@ def _convert(ex, eqn, scope, _k, labels):
     return ex.expand(eqn.invars[0], scope, labels)
 
 
-@rule("copy", "copy_p", "optimization_barrier_never")
+@rule("copy")
 def _identity(ex, eqn, scope, _k, labels):
     return ex.expand(eqn.invars[0], scope, labels)
 
@@ -550,7 +550,7 @@ def _transpose(ex, eqn, scope, _k, labels):
     return ex.expand(eqn.invars[0], scope, tuple(in_labels))
 
 
-@rule("reshape", "squeeze", "expand_dims")
+@rule("reshape", "squeeze")
 def _unit_reshape(ex, eqn, scope, _k, labels):
     """Reshapes that only add or drop axes of size 1."""
     operand = eqn.invars[0]
@@ -712,8 +712,7 @@ def _enter(ex, eqn, scope, position, labels, body, consts, invars) -> Expansion:
     return ex.expand(body.outvars[position], inner, labels)
 
 
-@rule("pjit", "jit", "closed_call", "core_call", "eval_jaxpr", "custom_jvp_call", "custom_vjp_call",
-      "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2")
+@rule(*sorted(INLINABLE))
 def _call(ex, eqn, scope, position, labels):
     found = _body(eqn)
     if found is None:

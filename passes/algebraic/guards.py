@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 from hlopass import internals as jx
 
-from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE
+from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE, LAYOUT
 from hlopass.jaxpr_utils import call_body
 
 from .expansion import (Difference, Expander, Expansion, Factor, Monomial, add_terms, difference_index, emit_terms,
@@ -53,10 +53,9 @@ ZERO_SENSITIVE = {
 }
 
 #: Element-wise and layout primitives through which a zero stays a zero (the walk follows them).
-ZERO_KEEPING = frozenset("""
-    convert_element_type broadcast_in_dim reshape squeeze expand_dims transpose copy copy_p neg add add_any
-    sub mul reduce_precision max min abs square select_n reduce_sum reduce_max reduce_min slice dynamic_slice
-    gather concatenate pad clamp stop_gradient optimization_barrier cumsum cummax cummin
+ZERO_KEEPING = LAYOUT | frozenset("""
+    neg add add_any sub mul reduce_precision max min abs square select_n reduce_sum reduce_max reduce_min
+    slice dynamic_slice gather concatenate pad clamp stop_gradient optimization_barrier cumsum cummax cummin
 """.split())
 
 

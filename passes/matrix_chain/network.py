@@ -39,17 +39,17 @@ import opt_einsum
 from hlopass import internals as jx
 
 from hlopass.einsum_order import cheapest_order
-from hlopass.families import dot_general_operand_labels
+from hlopass.families import CHAIN, dot_general_operand_labels
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 
 Label = str
 Path = list[tuple[int, ...]]
 
-#: Equations a chain may pass through (its interior nodes); ``mul`` only by a
-#: scalar (a product with an operand that has no axes), the last three only
-#: when they add or drop axes of size 1 (``A[None] @ B``, a squeezed batch of one).
-LINK_PRIMITIVES = ("dot_general", "transpose", "reduce_sum", "convert_element_type", "mul",
-                   "squeeze", "broadcast_in_dim", "reshape")
+#: Equations a chain may pass through (its interior nodes, the family :data:`hlopass.families.CHAIN`);
+#: ``mul`` only by a scalar (a product with an operand that has no axes), those of
+#: ``UNIT_AXIS_PRIMITIVES`` only when they add or drop axes of size 1 (``A[None] @ B``, a squeezed
+#: batch of one).
+LINK_PRIMITIVES = CHAIN
 UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
 
 

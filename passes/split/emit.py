@@ -117,9 +117,10 @@ class LoopPlan:
         return self.region.var_axis[var]
 
     def monoid_of(self, var) -> str:
-        return self.region.reducing[self._producer(var)]
+        return self.region.reducing[self.producer(var)]
 
-    def _producer(self, var) -> int:
+    def producer(self, var) -> int:
+        """The region equation that defines ``var`` (its index in ``jaxpr``)."""
         for i in self.region.eqns:
             if var in self.jaxpr.eqns[i].outvars:
                 return i
@@ -259,7 +260,7 @@ class LoopPlan:
         if self.refine_step is None:
             return step
         avals = [jx.ShapedArray((), jnp.int32)] + [v.aval for v in names] + [v.aval for _, v in self.scatters] \
-            + [v.aval for v in maxima] + [self._carry_aval(i) for i in scans]
+            + [v.aval for v in maxima] + [self.carry_aval(i) for i in scans]
         closed = trace_flat(step, avals, "split_step")
         refined = self.refine_step(closed)
         return jx.jaxpr_as_fun(refined)
@@ -312,8 +313,8 @@ class LoopPlan:
                 elif monoid in ("argmax", "argmin"):
                     j = n + arg_outputs.index(var)
                     new_state[k], new_state[j] = _arg_merge(monoid, (state[j], state[k]), (extras[var], partial[k]))
-                elif monoid == "top_k" and self._producer(var) not in top_k_done:
-                    i = self._producer(var)
+                elif monoid == "top_k" and self.producer(var) not in top_k_done:
+                    i = self.producer(var)
                     top_k_done.add(i)
                     self._top_k_merge(i, state, new_state, partial)
             if scans:
@@ -345,7 +346,7 @@ class LoopPlan:
         if sums:
             state = state + [jnp.zeros(v.aval.shape, self.scales.dtype) for v in sums]
         for i in scans:
-            aval = self._carry_aval(i)
+            aval = self.carry_aval(i)
             state.append(jnp.full(aval.shape, _scan_identity(self.region.scans[i][0], aval.dtype), aval.dtype))
         if remainder and reverse:  # a reverse cumulative op runs from the end: the short last slice first
             state = tail(state)
@@ -360,7 +361,7 @@ class LoopPlan:
             return [value.astype(var.aval.dtype) for value, var in zip(state, self.outputs)]
         return self._finish_online(state, values, sums, n_state)
 
-    def _carry_aval(self, i: int):
+    def carry_aval(self, i: int):
         """The running total of cumulative op ``i``: its result with the split axis of length one."""
         var = self.jaxpr.eqns[i].outvars[0]
         shape = list(var.aval.shape)
@@ -444,7 +445,7 @@ class LoopPlan:
             if first is not None:
                 state.append(first[n + m])
                 continue
-            eqn = self.jaxpr.eqns[self._producer(var)]
+            eqn = self.jaxpr.eqns[self.producer(var)]
             dtype = eqn.invars[0].aval.dtype
             worst = "max" if self.monoid_of(var) == "argmin" else "min"
             state.append(jnp.full(var.aval.shape, _extreme(worst, dtype), dtype))

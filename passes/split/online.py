@@ -52,15 +52,18 @@ import numpy as np
 from jax import lax
 from hlopass import internals as jx
 
+from hlopass.families import LAYOUT
 from hlopass.interpreter import bind_equation
 
 from .rules import chunk_params
 
 FREE, WHOLE, CONST, SHIFTED, SCALED, FINAL = "free", "whole", "const", "shifted", "scaled", "final"
 
-#: Unary primitives that pass a value's kind (and its ``L``) through unchanged.
-PASS_THROUGH = frozenset({"stop_gradient", "copy", "copy_p", "convert_element_type", "reduce_precision",
-                          "optimization_barrier"})
+#: Unary primitives that pass a value's kind (and its ``L``) through unchanged: the layout primitives that
+#: keep every element where it is, and the identities. (``transpose`` and ``broadcast_in_dim`` move the
+#: elements: the rules below map a scale through them; a reshape is not online.)
+PASS_THROUGH = (LAYOUT - {"reshape", "squeeze", "transpose", "broadcast_in_dim"}) | {
+    "stop_gradient", "reduce_precision", "optimization_barrier"}
 
 
 class NotOnline(Exception):

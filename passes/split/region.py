@@ -35,7 +35,7 @@ from hlopass import internals as jx
 
 from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes
-from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
+from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, LAYOUT, REDUCTIONS
 
 from .online import NotOnline, analyse, final_equations, running_reducers, shift_equations
 from .rules import SCATTER_MONOIDS, DimMap, dim_map
@@ -47,7 +47,7 @@ SEED_PRIMITIVES = frozenset({"dot_general", "top_k", "triangular_solve", "gather
 
 
 #: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
-FUSIBLE_PRODUCERS = ELEMENTWISE | {"broadcast_in_dim", "iota", "transpose", "reshape", "squeeze"}
+FUSIBLE_PRODUCERS = ELEMENTWISE | LAYOUT | {"iota"}
 FUSING_CONSUMERS = ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | {"broadcast_in_dim"}
 
 

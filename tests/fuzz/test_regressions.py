@@ -321,7 +321,7 @@ def test_loops_recomputing_one_product_use_one_chunk():
     (the softmax's maximum and sum) one column per step, the others three. XLA:CPU's dot rounds a
     one-column product otherwise than a three-column one, so the probabilities, normalised in one
     loop and exponentiated in another, no longer summed to one: gradients 25 and 130 times their scale
-    off. Two fixes: loops that recompute one ``dot_general`` use one chunk (``_harmonise_chunks``), and
+    off. Two fixes: loops that recompute one ``dot_general`` use one chunk (``harmonise_chunks``), and
     a cumulative op is computed once, never copied into a loop per stage (``recompute._cone``)."""
     args, _, _, grad, off = _squared_softmax_case()
     ours = hlopass.jit(grad, threshold=128000, split_size=4000)

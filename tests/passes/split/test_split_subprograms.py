@@ -133,7 +133,7 @@ def test_linear_solve_and_cg_bodies():
 
 
 def test_an_unhandled_sub_program_is_left_untouched_and_named(monkeypatch):
-    from hlopass.passes import split as split_pass
+    from hlopass.passes.split import driver as split_pass
     x, y, v = data(np.float32)
 
     def fn(x, y, v):

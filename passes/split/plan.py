@@ -1,0 +1,308 @@
+"""Planning the split pass's loops: for every reducer of a large value, the region to loop over,
+the axis and the chunk (:func:`plan_round`), one round of non-overlapping regions at a time.
+
+Each seed's region is grown along each axis it can be split on (:mod:`.region`); a region whose
+split axis is cut across devices is refused; among the rest the pass prefers one that fits in one
+level, then the smallest nested step, then what it keeps out of memory (:class:`Candidate`). The
+chunk keeps one step within the split size (and the cache on CPU, :func:`choose_chunk`); a step
+still too large is split again inside (at most :data:`MAX_NESTING` levels). Loops that recompute
+one product get one chunk (:func:`harmonise_chunks`), and a large value read before and after its
+own reduction may be recomputed per stage of its readers when that leaves fewer regions unsplit
+(:func:`recompute_where_it_helps`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+
+from hlopass import internals as jx
+
+from hlopass.config import Config
+from hlopass.graph import DataflowGraph
+from hlopass.jaxpr_utils import aval_nbytes, aval_str
+from hlopass.report import PassReport, source_line
+
+from .emit import LoopPlan
+from .options import SplitOptions
+from .recompute import recompute_for_later_stages, staged_values
+from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
+from .report import error_text, named_at
+from .shares import device_bytes, sharded_values
+from .unroll import unroll_short_reductions
+
+#: How a nested step's program is split again: the driver's ``split_level(closed, config, report, options)``.
+SplitLevel = Callable[[jx.ClosedJaxpr, Config, PassReport, SplitOptions], jx.ClosedJaxpr]
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way to split a seed's region: along which axis (``region``), in which chunks, whether a step is
+    split again inside (``nested``), and what it gains; :meth:`key` orders the ways."""
+
+    region: SplitRegion
+    chunk: int
+    nested: bool
+    covered: int      # bytes of large values the region keeps out of memory
+    survives: bool    # the split axis reaches the results (no accumulation)
+    step_bytes: int   # the largest value of one iteration
+
+    def key(self):
+        # Fitting in one level first; among nested ones the smallest step; then what it covers.
+        return (not self.nested, -self.step_bytes if self.nested else 0, self.covered, self.survives,
+                self.region.size)
+
+
+def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitOptions, broken: set = frozenset(),
+               *, split_level: SplitLevel):
+    """Plan a loop for every region of this round: ``(plans, failures)``, regions that overlap one
+    planned this round left to the next. ``split_level`` splits a nested step's program (the driver's)."""
+    plans: list[LoopPlan] = []
+    failures: list[tuple[int, int, str]] = []  # (seed, blocking equation, reason)
+    claimed: set[int] = set()
+    for seed in reversed(seeds(jaxpr, config.threshold)):  # the last reducer covers the longest chain
+        if seed in claimed or eqn_key(jaxpr.eqns[seed]) in broken:
+            continue
+        try:
+            candidate, why = _best_candidate(jaxpr, graph, seed, config, options)
+        except Exception as err:  # noqa: BLE001 - a failure here stays with this region
+            failures.append((seed, seed, f"planning failed: {error_text(err)}"))
+            continue
+        if candidate is None:
+            failures.append(why)
+            continue
+        if candidate.region.eqns & claimed or any(eqn_key(jaxpr.eqns[i]) in broken for i in candidate.region.reducing):
+            continue  # overlaps a region split this round; looked at again next round
+        claimed |= candidate.region.eqns
+        plans.append(_plan(jaxpr, graph, candidate, config, report, options, split_level))
+    return plans, failures
+
+
+def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions):
+    best, why = None, (seed, seed, "no splittable axis on the large operand")
+    for label in seed_labels(jaxpr, seed, config.threshold):
+        try:
+            region = grow_region(jaxpr, graph, seed, label, config.split_size)
+        except Infeasible as err:
+            why = (seed, err.eqn_index, f"cannot split the reduction at {named_at(jaxpr, seed)}: {err.reason}")
+            continue
+        sharded = _sharded_split_axis(jaxpr, region)
+        if sharded is not None:
+            why = (seed, seed, f"cannot split the reduction at {named_at(jaxpr, seed)} along axis {sharded[1]} of "
+                               f"{aval_str(sharded[0].aval)}: that axis is sharded across devices (its loop "
+                               f"would gather the shards onto every device)")
+            continue
+        candidate = _candidate(jaxpr, graph, region, config, options)
+        if candidate is None:
+            why = (seed, seed, "the large operand is not computed here (an input or a value needed elsewhere)")
+            continue
+        if best is None or candidate.key() > best.key():
+            best = candidate
+    return best, why
+
+
+def _sharded_split_axis(jaxpr, region: SplitRegion):
+    """``(value, axis)`` of a region value or input whose split axis is cut across devices, or ``None``.
+
+    A loop over a sharded axis would slice it at offsets that cross devices: XLA gathers the whole
+    operand onto every device (and each device then runs every iteration). Another axis keeps the
+    shardings jax.jit gives, each device looping over its own shard.
+    """
+    shards = sharded_values(jaxpr)
+    if not shards:
+        return None
+    for var, axis in [*region.inputs(jaxpr), *region.var_axis.items()]:
+        pieces = shards.get(var)
+        if axis is not None and pieces is not None and pieces[axis] > 1:
+            return var, axis
+    return None
+
+
+def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: SplitOptions) -> Candidate | None:
+    outputs = set(region.outputs(jaxpr, graph))
+    share = device_bytes(jaxpr)  # the threshold and the split size bound one device's share
+    covered = sum(share(v) for v in region.var_axis if v not in outputs and share(v) > config.split_size)
+    if not any(share(v) > config.threshold for v in region.var_axis if v not in outputs):
+        return None
+    seed = jaxpr.eqns[region.seed]
+    pos = max(range(len(seed.invars)), key=lambda k: aval_nbytes(seed.invars[k].aval))
+    if aval_nbytes(seed.invars[pos].aval) > config.threshold and region.operand_axis.get((region.seed, pos)) is None:
+        return None  # the reducer's large operand would be read whole each step (a small threshold's other values)
+    per_unit = max(region.per_unit_bytes(jaxpr), 1)
+    peak = max(region.peak_per_unit_bytes(jaxpr, graph), 1)
+    fits = int(min(config.split_size // per_unit, options.live_budget * config.split_size // peak))
+    if _on_accelerator(options):
+        fits = int(config.split_size // per_unit)
+    need = region.min_chunk(jaxpr)
+    if fits >= region.size:
+        return None
+    nested = fits < need
+    cache = _cache_bytes(options)
+    if cache and not nested and cache < config.split_size:  # smaller steps run faster from the cache
+        fits = max(int(min(cache // per_unit, options.live_budget * cache // peak)), need, 1)
+    chunk = need if nested else choose_chunk(region.size, fits, options.even_chunk_fraction)
+    if chunk >= region.size:
+        return None
+    return Candidate(region, chunk, nested, covered, survives=not region.reducing, step_bytes=chunk * per_unit)
+
+
+def _on_accelerator(options: SplitOptions) -> bool:
+    """Whether steps are shaped for an accelerator: XLA fuses their elementwise work there."""
+    if options.accelerator_steps is None:
+        return jax.default_backend() != "cpu"
+    return options.accelerator_steps
+
+
+def _cache_bytes(options: SplitOptions) -> int:
+    """The step size cap for the cache: measured on CPU only, so accelerators keep the largest chunk."""
+    return options.step_cache_bytes if jax.default_backend() == "cpu" else 0
+
+
+def choose_chunk(size: int, fits: int, even_fraction: float = SplitOptions.even_chunk_fraction) -> int:
+    """Chunk length along an axis of ``size`` when at most ``fits`` fit: an even divisor of ``size``
+    if one is at least ``even_fraction`` of ``fits``, else ``size`` spread over as few
+    iterations as possible (the last one shorter)."""
+    divisor = max((d for d in _divisors(size) if d <= fits), default=1)
+    if divisor >= even_fraction * fits:
+        return divisor
+    iterations = -(-size // fits)
+    return -(-size // iterations)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
+
+
+#: Loops nested inside one split step at most (a second axis, and a third for a 3-D step). Deeper
+#: levels made no progress when each step re-sliced a large loop input (fuzzer seed r884065875121).
+MAX_NESTING = 2
+_NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("hlopass_split_nesting", default=0)
+
+
+def _plan(jaxpr, graph, candidate: Candidate, config: Config, report: PassReport,
+          options: SplitOptions, split_level: SplitLevel) -> LoopPlan:
+    """The loop for ``candidate``; a nested one's steps are split again by ``split_level`` (one level deeper)."""
+    region = candidate.region
+    plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk,
+                    candidate=candidate, grouped_top_k=options.grouped_top_k,
+                    fuse_thin_dots=_on_accelerator(options))
+    inner = dataclasses.replace(config, threshold=config.split_size)
+
+    def refine(step: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+        depth = _NESTING.get()
+        if candidate.nested and depth < MAX_NESTING:
+            token = _NESTING.set(depth + 1)
+            try:
+                step = split_level(step, inner, report, options)
+            finally:
+                _NESTING.reset(token)
+        if options.unroll_max_length:
+            step = unroll_short_reductions(step, report, options.unroll_max_length, options.unroll_min_elements)
+        return step
+    plan.refine_step = refine
+    return plan
+
+
+def harmonise_chunks(jaxpr, plans, recorded: dict) -> None:
+    """Give every loop that recomputes the same ``dot_general`` along the same axis the same chunk:
+    the smallest any of them chose, this round or an earlier one of the level (``recorded``).
+
+    XLA:CPU's dot kernels round differently for different widths (one column, five, 32...), so a
+    product recomputed in two loops with different chunks differs in its last bits. Where both
+    copies meet again through ``exp``, as a softmax normalised in one loop and exponentiated in
+    another, the probabilities no longer sum to one: a float32 gradient 25 times its own scale
+    off (fresh seed r73655148886). A smaller chunk always fits.
+    """
+    keys = []
+    for plan in plans:
+        region = plan.region
+        keys.append({(eqn_key(jaxpr.eqns[i]), region.size, region.var_axis.get(jaxpr.eqns[i].outvars[0]))
+                     for i in region.eqns if jaxpr.eqns[i].primitive.name == "dot_general"
+                     and region.var_axis.get(jaxpr.eqns[i].outvars[0]) is not None})
+    changed = True
+    while changed:
+        changed = False
+        for plan, own in zip(plans, keys):
+            if not own or getattr(plan.candidate, "nested", False):
+                continue
+            chunk = min([plan.chunk, *(recorded[k] for k in own if k in recorded)])
+            for k in own:
+                if recorded.get(k, chunk + 1) > chunk:
+                    recorded[k] = chunk
+                    changed = True
+            if chunk < plan.chunk:
+                plan.chunk = chunk
+                changed = True
+
+
+def has_large_max(jaxpr, large: int) -> bool:
+    """Whether a ``reduce_max`` reads a value over ``large`` bytes (a running maximum may spare a nested split)."""
+    share = device_bytes(jaxpr)
+    return any(eqn.primitive.name == "reduce_max" and share(eqn.invars[0]) > large for eqn in jaxpr.eqns)
+
+
+def _score(plans, failures) -> tuple[int, int]:
+    """Regions left unsplit, then regions split in nested loops: fewer is better."""
+    return len(failures), sum(bool(p.candidate.nested) for p in plans)
+
+
+def recompute_where_it_helps(current, plans, failures, config: Config, report: PassReport,
+                             options: SplitOptions, broken: set, *, split_level: SplitLevel):
+    """Give the later stages of readers of a shared large value their own copy, one value at a time,
+    keeping each copy that leaves fewer regions unsplit. Stages that one loop carrying a running
+    maximum can cover are tried first (the latest value first: its copy takes the earlier ones along)."""
+    for online in (True, False):
+        current, plans, failures = _recompute_staged(current, plans, failures, config, report, options, broken,
+                                                     online, split_level)
+        if _score(plans, failures) == (0, 0):
+            break
+    return current, plans, failures
+
+
+def _recompute_staged(current, plans, failures, config: Config, report: PassReport, options: SplitOptions,
+                      broken: set, online: bool, split_level: SplitLevel):
+    def candidates_of(jaxpr):
+        found = staged_values(jaxpr, config.split_size, online)
+        return found[::-1] if online else found
+
+    tried = 0
+    for _ in range(len(current.jaxpr.eqns)):
+        candidates = candidates_of(current.jaxpr)
+        if tried >= len(candidates) or _score(plans, failures) == (0, 0):
+            break
+        var = candidates[tried]
+        staged = recompute_for_later_stages(current, var, config.split_size, online)
+        staged_plans, staged_failures = plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
+                                                   options, broken, split_level=split_level)
+        if _score(staged_plans, staged_failures) < _score(plans, failures):
+            current, plans, failures = staged, staged_plans, staged_failures
+            tried = 0
+        else:
+            tried += 1
+    if _score(plans, failures) != (0, 0):  # values whose copies only help together (a gradient reading several of them again)
+        staged = current
+        for _ in range(4 * len(current.jaxpr.eqns)):
+            candidates = candidates_of(staged.jaxpr)
+            if not candidates:
+                break
+            copied = recompute_for_later_stages(staged, candidates[0], config.split_size, online)
+            if copied is staged:
+                break
+            staged = copied
+        if staged is not current:
+            staged_plans, staged_failures = plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
+                                                       options, broken, split_level=split_level)
+            if _score(staged_plans, staged_failures) < _score(plans, failures):
+                current, plans, failures = staged, staged_plans, staged_failures
+    return current, plans, failures
+
+
+def eqn_key(eqn) -> tuple:
+    """Identifies an equation across re-traces (indices change)."""
+    return (eqn.primitive.name, source_line(eqn), tuple(str(v.aval) for v in eqn.outvars),
+            tuple(str(getattr(a, "aval", a)) for a in eqn.invars))
