@@ -23,7 +23,7 @@ against the memory limit once per (program, settings):
   program ahead of time and measures it whole: the compile ``jax.jit`` would make anyway;
 - anywhere else (under an outer ``jax.jit``, inside another hlopass function, in an ahead-of-time
   ``lower()``), the lowering rule measures the program by compiling it alone, unless a crude upper
-  bound on its bytes (:func:`~hlopass.jaxpr_utils.bytes_upper_bound`) is below half the limit, as
+  bound on its bytes (:func:`~hlopass.memory.upper_bound`) is below half the limit, as
   it is for most programs: those pay no second compile.
 
 **Never worse than plain.** When the passes changed a program but could not bound it (temporaries
@@ -48,8 +48,8 @@ from hlopass import internals as jx
 
 from hlopass import sharding
 from hlopass.families import CHEAP_TO_RECOMPUTE
-from hlopass.jaxpr_utils import aval_nbytes, bytes_upper_bound, trace_flat
-from hlopass.memory import MemoryCheck, enforce, measure
+from hlopass.jaxpr_utils import aval_nbytes, trace_flat
+from hlopass.memory import MemoryCheck, enforce, footprint, measure, upper_bound
 from hlopass.pipeline import PipelineResult, before_linearize, run_pipeline
 from hlopass.report import Comparison
 
@@ -133,7 +133,7 @@ def settle(result: PipelineResult, name: str, shardings: tuple | None = None) ->
                 original, original_s = _compile_alone(result.original, result.config, f"{name} (original)",
                                                       shardings)
                 decide(result, rewritten, rewritten_s, original, original_s)
-            elif limit is not None and 2 * bytes_upper_bound(result.program) > limit:
+            elif limit is not None and 2 * upper_bound(result.program) > limit:
                 result.check, _ = _compile_alone(result.program, result.config, name, shardings)
         except Exception as err:  # noqa: BLE001 - a diagnostic compile must not break the user's
             logger.warning("hlopass: could not compile %s alone to check its memory: %s: %s",
@@ -172,15 +172,8 @@ def _compile_alone(closed: jx.ClosedJaxpr, config, label: str,
     """Compile ``closed`` on its own (its inputs placed with ``shardings`` where given); its memory
     figures and the seconds lowering and compiling took."""
     start = time.perf_counter()
-    args = closed.in_avals
-    if shardings is not None and len(shardings) == len(args):
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if s is not None and hasattr(a, "shape") else a
-                for a, s in zip(args, shardings)]
-    with sharding.mesh_of(shardings):
-        lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(*args)
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - start
-    return measure(compiled, lowered, config.memory_limit, label, list_largest="over_limit"), seconds
+    check = footprint(closed, shardings, limit=config.memory_limit, label=label)
+    return check, time.perf_counter() - start
 
 
 #: The rewritten program is kept only if XLA says it needs at most this fraction of the original's
