@@ -86,20 +86,22 @@ def enforce(check: MemoryCheck, strict: bool) -> None:
     logger.warning(message)
 
 
-def footprint(closed: jx.ClosedJaxpr, shardings: Sequence[Any] | None = None, *, limit: int | None = None,
-              label: str = "function") -> MemoryCheck:
+def footprint(closed: jx.ClosedJaxpr, shardings: Sequence[Any] | None = None, *, typed: bool = True,
+              limit: int | None = None, label: str = "function") -> MemoryCheck:
     """Compile ``closed`` on its own and read XLA's memory figures (``.footprint``: temporaries plus
     arguments and outputs, less aliases).
 
     With ``shardings`` (one entry per input, ``None`` where unknown) the inputs are placed with them
-    and the figures are one device's (the figure the memory limit bounds); a program whose types carry
-    explicit shardings is lowered under their mesh. With a ``limit`` the check is made against it and,
-    when over, lists the largest tensors (for the warning).
+    and the figures are one device's (the figure the memory limit bounds); the program is lowered
+    under their mesh when it has explicit axes. An input without a sharding is lowered at its own
+    type (an explicit sharding in it, its weak type), or with ``typed=False`` at its shape and dtype
+    alone, as the passes measure (while a pass runs, an explicit type's mesh may be in no context).
+    With a ``limit`` the check is made against it and, when over, lists the largest tensors (for the
+    warning).
     """
-    args = list(closed.in_avals)
-    if shardings is not None and len(shardings) == len(args):
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if s is not None and hasattr(a, "shape") else a
-                for a, s in zip(args, shardings)]
+    given = shardings if shardings is not None and len(shardings) == len(closed.in_avals) else None
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") and (s is not None or not typed)
+            else a for a, s in zip(closed.in_avals, given or (None,) * len(closed.in_avals))]
     with mesh_of(shardings):  # explicit types need their mesh
         lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(*args)
     return measure(lowered.compile(), lowered, limit, label, list_largest="over_limit")

@@ -101,7 +101,7 @@ class RematPass(Pass):
         """:meth:`run` past the cheap checks; ``None`` for "unchanged"."""
         report = PassReport(self.name)
         limit = config.memory_limit
-        footprint0 = footprint(closed).footprint
+        footprint0 = footprint(closed, typed=False).footprint
         if footprint0 <= limit:
             return None, report
         machine = rates()
@@ -131,7 +131,7 @@ class RematPass(Pass):
                     scan_plans[pair.forward] = segments(sol.items, sol.group, pair.length(closed.jaxpr))
             return emit(analysis, flat_items, scan_plans)
 
-        outcome = closed_loop(problems, emit_plan, lambda new: footprint(new).footprint, footprint0, limit,
+        outcome = closed_loop(problems, emit_plan, lambda new: footprint(new, typed=False).footprint, footprint0, limit,
                               max_rounds=self.options.max_rounds, slack=self.options.slack)
         describe_outcome(report, outcome, names, analysis, footprint0, limit, machine)
         if outcome.chosen is None or (not outcome.fits and outcome.chosen.footprint >= footprint0):

@@ -330,7 +330,7 @@ def rematerialize_primal(closed: jx.ClosedJaxpr, config, notes: list[Note], opti
         return closed
 
     def measure(program):
-        return footprint(backward_program(program, config.threshold)).footprint
+        return footprint(backward_program(program, config.threshold), typed=False).footprint
     footprint0 = measure(closed)
     if footprint0 <= limit:
         return closed

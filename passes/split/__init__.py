@@ -140,7 +140,7 @@ class SplitPass(Pass):
         retries: list = []
         shardings = _input_shardings(closed)
         try:
-            footprint = measure_alone(new, shardings).footprint
+            footprint = measure_alone(new, shardings, typed=False).footprint
         except Exception as err:  # noqa: BLE001 - a diagnostic compile must not lose the split
             report.skip("<memory limit>", "split", f"could not compile the split program alone to check its "
                         f"memory (the whole program is still checked): {_error(err)}")
@@ -151,7 +151,7 @@ class SplitPass(Pass):
                                           split_size=max(1, current.split_size // 2))
             retries.append((current, smaller, footprint))
             new, report = self.run_once(closed, smaller)
-            footprint, current = measure_alone(new, shardings).footprint, smaller
+            footprint, current = measure_alone(new, shardings, typed=False).footprint, smaller
         for before, after, seen in retries:
             report.rewrite("retry", "<memory limit>",
                            f"XLA footprint {format_size(seen)} over the limit {format_size(limit)}: "
