@@ -13,7 +13,8 @@ import jax
 from hlopass import internals as jx
 
 from hlopass import settings, sharding
-from hlopass.call import CheckedJit, hlopass_call_p
+from hlopass.call import hlopass_call_p
+from hlopass.checked import CheckedJit
 from hlopass.config import Config
 from hlopass.errors import ConfigError
 from hlopass.jaxpr_utils import trace_flat

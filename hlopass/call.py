@@ -1,6 +1,4 @@
-"""``hlopass_call``: a call primitive whose body goes through the pass pipeline when lowered, the
-memory check of every compiled hlopass program, and the checked call that compiles it once per
-signature.
+"""``hlopass_call``: a call primitive whose body goes through the pass pipeline when lowered.
 
 ``hlopass.jit`` stages the user's function as one ``hlopass_call`` equation
 holding the *original* jaxpr. JAX transforms it like any call: the JVP rule
@@ -9,51 +7,32 @@ evaluation split it into ``hlopass_call`` s of the primal and tangent parts,
 transposition makes a ``hlopass_call`` of the backward jaxpr, and vmap one of
 the batched jaxpr. Only the lowering rule runs the passes, so the forward
 program, its derivatives (the backward pass included) and its batched forms
-are all rewritten. The rules follow ``jax._src.compute_on``.
+are all rewritten. The rules follow ``jax._src.compute_on``: each is
+registered right under its definition.
 
 Its parameters: ``jaxpr`` (the program, before any pass), ``config``,
 ``name`` (for reports) and ``notes`` (what the passes' extension points
 found while tracing or before linearising it; they go to its report).
 
-**The memory check holds whatever the composition.** Every compiled hlopass program is checked
-against the memory limit once per (program, settings):
-
-- a call with concrete arguments (:class:`CheckedJit`: ``hlopass.jit`` functions, and the
-  primitive's own implementation, which eager ``jax.grad`` / ``jax.vmap`` reach) compiles the
-  program ahead of time and measures it whole: the compile ``jax.jit`` would make anyway;
-- anywhere else (under an outer ``jax.jit``, inside another hlopass function, in an ahead-of-time
-  ``lower()``), the lowering rule measures the program by compiling it alone, unless a crude upper
-  bound on its bytes (:func:`~hlopass.jaxpr_utils.bytes_upper_bound`) is below half the limit, as
-  it is for most programs: those pay no second compile.
-
-**Never worse than plain.** When the passes changed a program but could not bound it (temporaries
-remain above the threshold, a Cholesky factor say), XLA's figures for the rewritten and
-the original program decide which one runs (:func:`decide`); the report says which was kept, both
-footprints and compile times, and what blocked the bound.
+Called with concrete arguments it runs as a checked call (:mod:`hlopass.checked`); lowered as part
+of another program, it is checked against the memory limit by :func:`hlopass.never_worse.settle`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import logging
 import math
 import os
-import time
-import weakref
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 from hlopass import internals as jx
 
 from hlopass import sharding
+from hlopass.checked import checked_primitive_call, measured_by_caller, program_name
 from hlopass.families import CHEAP_TO_RECOMPUTE
-from hlopass.jaxpr_utils import aval_nbytes, bytes_upper_bound, trace_flat
-from hlopass.memory import MemoryCheck, enforce, measure
-from hlopass.pipeline import PipelineResult, before_linearize, run_pipeline
-from hlopass.report import Comparison
-
-logger = logging.getLogger("hlopass")
+from hlopass.jaxpr_utils import aval_nbytes, trace_flat
+from hlopass.never_worse import settle
+from hlopass.pipeline import before_linearize, run_pipeline
 
 hlopass_call_p = jx.Primitive("hlopass_call")
 hlopass_call_p.multiple_results = True
@@ -82,148 +61,23 @@ hlopass_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 # -- lowering: the passes, and the memory check of programs compiled as part of another -----------
 
-class _WholeProgram:
-    """Set by :meth:`CheckedJit.check` while it lowers a hlopass function's trace (one
-    ``hlopass_call``, lowered first): that program is compiled and measured whole by the caller, so
-    its lowering makes no check of its own and hands over its pipeline result."""
-
-    __slots__ = ("result",)
-
-    def __init__(self):
-        self.result = None
-
-
-_measured_by_caller: contextvars.ContextVar = contextvars.ContextVar("hlopass_measured_by_caller", default=None)
-
-
 def _lowering(ctx, *args, jaxpr, config, name, notes):
     # the passes see how the jit arguments are sharded, and re-trace inside shard_map with its axes bound
     shardings = sharding.operand_shardings(ctx, args)
     with sharding.inputs_sharded(sharding.operand_shards(ctx, args), shardings), sharding.manual_context(ctx):
         result = run_pipeline(jaxpr, config, label=name, notes=notes)
-    whole = _measured_by_caller.get()
+    whole = measured_by_caller.get()
     if whole is not None and whole.result is None:
         whole.result = result
     else:
         settle(result, name, shardings)
-    return jx.core_call_lowering(ctx, *args, name=f"hlopass_{_safe(name)}", call_jaxpr=result.program)
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)[:60] or "call"
+    return jx.core_call_lowering(ctx, *args, name=program_name(name), call_jaxpr=result.program)
 
 
 jx.register_lowering(hlopass_call_p, _lowering, cacheable=False)
 
 
-def settle(result: PipelineResult, name: str, shardings: tuple | None = None) -> None:
-    """Check a hlopass program compiled as part of another against the limit, once (compiled alone
-    with its operands' ``shardings`` when known: one device's figures).
-
-    A changed program that is not bounded is compiled both ways and the better kept
-    (:func:`decide`). Otherwise it is compiled alone only when a crude bound on its bytes does
-    not already show that it fits within half the limit. Warns, or raises
-    :class:`~hlopass.MemoryLimitError` in strict mode, each time it is lowered.
-    """
-    if not result.settled:
-        limit = result.config.memory_limit
-        try:
-            if result.needs_comparison:
-                rewritten, rewritten_s = _compile_alone(result.jaxpr, result.config, name, shardings)
-                original, original_s = _compile_alone(result.original, result.config, f"{name} (original)",
-                                                      shardings)
-                decide(result, rewritten, rewritten_s, original, original_s)
-            elif limit is not None and 2 * bytes_upper_bound(result.program) > limit:
-                result.check, _ = _compile_alone(result.program, result.config, name, shardings)
-        except Exception as err:  # noqa: BLE001 - a diagnostic compile must not break the user's
-            logger.warning("hlopass: could not compile %s alone to check its memory: %s: %s",
-                           name, type(err).__name__, err)
-        result.settled = True
-    _enforce(result)
-
-
-#: While set (:func:`inspecting`), lowering rules measure but neither warn nor raise.
-_inspecting: contextvars.ContextVar = contextvars.ContextVar("hlopass_inspecting", default=False)
-
-
-@contextlib.contextmanager
-def inspecting():
-    """Lower hlopass programs for inspection (``hlopass.explain``): checks are made and recorded in
-    the reports, but the caller reports them; nothing warns or raises."""
-    token = _inspecting.set(True)
-    try:
-        yield
-    finally:
-        _inspecting.reset(token)
-
-
-def _enforce(result: PipelineResult) -> None:
-    if result.check is None or _inspecting.get():
-        return
-    if result.config.strict:
-        enforce(result.check, True)
-    elif not result.warned:
-        result.warned = True
-        enforce(result.check, False)
-
-
-def _compile_alone(closed: jx.ClosedJaxpr, config, label: str,
-                   shardings: tuple | None = None) -> tuple[MemoryCheck, float]:
-    """Compile ``closed`` on its own (its inputs placed with ``shardings`` where given); its memory
-    figures and the seconds lowering and compiling took."""
-    start = time.perf_counter()
-    args = closed.in_avals
-    if shardings is not None and len(shardings) == len(args):
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if s is not None and hasattr(a, "shape") else a
-                for a, s in zip(args, shardings)]
-    with sharding.mesh_of(shardings):
-        lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(*args)
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - start
-    return measure(compiled, lowered, config.memory_limit, label, list_largest="over_limit"), seconds
-
-
-#: The rewritten program is kept only if XLA says it needs at most this fraction of the original's
-#: memory (or it fits the limit and the original does not); otherwise the original, which is
-#: bit-identical to jax.jit's and usually faster to compile, runs.
-KEEP_REWRITTEN_BELOW = 0.95
-
-
-def decide(result: PipelineResult, rewritten: MemoryCheck, rewritten_s: float | None,
-           original: MemoryCheck, original_s: float | None) -> str:
-    """Keep the rewritten or the original program of a changed, unbounded ``result``; record why."""
-    limit = result.config.memory_limit
-    fits_rewritten = limit is None or rewritten.footprint <= limit
-    fits_original = limit is None or original.footprint <= limit
-    if fits_rewritten != fits_original:
-        kept = "rewritten" if fits_rewritten else "original"
-    else:
-        kept = "rewritten" if rewritten.footprint <= KEEP_REWRITTEN_BELOW * original.footprint else "original"
-    result.kept = kept
-    result.check = rewritten if kept == "rewritten" else original
-    blocked, reasons = blocked_bound(result)
-    result.report.comparison = Comparison(
-        kept=kept, rewritten_bytes=rewritten.footprint, original_bytes=original.footprint,
-        rewritten_compile_s=rewritten_s, original_compile_s=original_s, blocked=blocked, reasons=reasons)
-    logger.info("hlopass: %s: kept the %s program (%s)", result.report.label, kept, result.report.comparison.line())
-    return kept
-
-
-def blocked_bound(result: PipelineResult, most: int = 6) -> tuple[list[str], list[str]]:
-    """The values above the threshold left in the rewritten program, and what the passes said
-    (their skips) at those source lines."""
-    from hlopass.sizes import format_size
-    skips = result.report.skipped
-    values, reasons = [], []
-    for type_, nbytes, where in result.unbounded:
-        values.append(f"{format_size(nbytes)} {type_} {where}")
-        _, _, location = where.partition(" at ")
-        for s in skips:
-            reason = f"{s.pass_name} at {s.location}: left {s.primitive} alone: {s.reason}"
-            if s.location == location and reason not in reasons:
-                reasons.append(reason)
-    return values[:most], reasons[:most]
-
+# -- transformation rules ----------------------------------------------------------------------
 
 def _to_lojax(*hi_args, jaxpr, config, name, notes):
     # As jax.jit's rule: a program holding high-level types or primitives (the remat3 checkpoint,
@@ -235,8 +89,6 @@ def _to_lojax(*hi_args, jaxpr, config, name, notes):
 
 hlopass_call_p.to_lojax = _to_lojax
 
-
-# -- transformation rules ----------------------------------------------------------------------
 
 def _batcher(axis_data, vals_in, dims_in, *, jaxpr, config, name, notes):
     batched_jaxpr, dims_out = jx.batch_jaxpr2(jaxpr, axis_data, dims_in)
@@ -440,207 +292,6 @@ def _dce_rule(used_outputs, eqn):
 
 
 jx.dce_rules[hlopass_call_p] = _dce_rule
-
-
-# -- calling compiled hlopass programs -------------------------------------------------------
-
-def leaf_signature(leaf):
-    """What of an argument leaf decides a recompile: shape, dtype, weak type, sharding (or the Python type)."""
-    if isinstance(leaf, jax.Array):
-        return leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), getattr(leaf, "sharding", None)
-    shape = getattr(leaf, "shape", None)
-    dtype = getattr(leaf, "dtype", None)
-    if shape is not None and dtype is not None:
-        return tuple(shape), dtype
-    return type(leaf)
-
-
-_UNCOMPARABLE = object()
-
-
-class _StaticArgumentError(Exception):
-    """Tracing failed for a call with static arguments: let jax.jit's call raise its own error."""
-
-
-#: jax.jit keywords that place or lay out data: calls with them always go through jax.jit itself.
-_PLACEMENT_KEYWORDS = frozenset({"in_shardings", "out_shardings", "device", "backend", "compiler_options"})
-
-
-class CheckedJit:
-    """``jax.jit`` of ``staged`` whose first compile for each signature is checked against the limit.
-
-    A call computes a cheap signature (tree structure, shapes, dtypes, static
-    values; static arguments resolved as ``jax.jit`` resolves them). For a new
-    one it lowers and compiles ahead of time (``lower().compile()``, which fills
-    jax.jit's caches), measures the program whole, keeps the better of the
-    rewritten and the original program when the passes could not bound it
-    (``plain`` is jax.jit of the original), warns or raises, then calls
-    through jax.jit's usual fast path. Calls inside a trace (tracer arguments,
-    an outer ``jax.jit``, eager ``jax.grad`` / ``jax.vmap``) take jax.jit's
-    cached trace of ``staged`` and bind its ``hlopass_call`` there, so that
-    JAX transforms the primitive (and nothing is traced again); its
-    lowering rule or its implementation then checks the derived programs.
-    """
-
-    def __init__(self, staged, jit_kwargs: dict, config, label: str, on_first_compile=None,
-                 plain: Callable | None = None, result: PipelineResult | None = None):
-        self.unjitted = staged
-        self.jitted = jax.jit(staged, **jit_kwargs)
-        self.plain = plain
-        self.result = result
-        self.config = config
-        self.label = label
-        self.on_first_compile = on_first_compile
-        info = self.jitted._jit_info
-        self.static_argnums = tuple(info.static_argnums)
-        self.static_argnames = tuple(info.static_argnames)
-        self._bind_directly = not (_PLACEMENT_KEYWORDS & set(jit_kwargs))
-        self._entries: dict = {}
-
-    @property
-    def checks(self) -> list[MemoryCheck]:
-        return [check for check, _ in self._entries.values()]
-
-    def signature(self, args, kwargs):
-        """The cache key of a call, or ``None`` when an argument is a tracer."""
-        if not kwargs and not self.static_argnums and all(type(a) is jx.ArrayImpl for a in args):
-            return tuple((a.shape, a.dtype, a.weak_type, a.sharding) for a in args)  # common case: no flattening
-        static = ()
-        if self.static_argnums or self.static_argnames:
-            static = (tuple(args[i] for i in self.static_argnums if i < len(args)),
-                      tuple((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
-            args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-            kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        for leaf in leaves:
-            if isinstance(leaf, jx.Tracer):
-                return None
-        return treedef, tuple(map(leaf_signature, leaves)), static
-
-    def __call__(self, *args, **kwargs):
-        key = self.signature(args, kwargs)
-        if key is None:
-            return self.in_trace(args, kwargs)
-        try:
-            entry = self._entries.get(key)
-        except Exception:  # noqa: BLE001 - a static argument that cannot be hashed or compared
-            entry = _UNCOMPARABLE
-        if entry is _UNCOMPARABLE:  # jax.jit raises its own error for it
-            return self.jitted(*args, **kwargs)
-        if entry is None:
-            if self.result is None and not jx.trace_state_clean():
-                return self.in_trace(args, kwargs)  # concrete arguments, but staged into a trace
-            try:
-                entry = self.check(args, kwargs)
-            except _StaticArgumentError:  # raise what jax.jit's call raises for them
-                return self.jitted(*args, **kwargs)
-            self._entries[key] = entry
-        target = entry[1]
-        if not kwargs:  # jax.jit's C++ fast path is only taken without a kwargs dict
-            return target(*args)
-        return target(*args, **kwargs)
-
-    def in_trace(self, args, kwargs):
-        """Bind the ``hlopass_call`` of jax.jit's cached trace in the current trace."""
-        if not self._bind_directly:
-            return self.jitted(*args, **kwargs)
-        params, args_flat = jx.jit_infer_params(self.jitted._fun, self.jitted._jit_info, args, kwargs)
-        closed = params.params["jaxpr"]
-        return jx.tree_unflatten(params.out_tree, _bind_here(closed, args_flat))
-
-    def check(self, args, kwargs) -> tuple[MemoryCheck, Callable]:
-        """Lower and compile for these arguments, measure, keep the better program if the passes
-        could not bound it, warn or raise if over the limit. Returns the check and what to call."""
-        try:
-            traced = self.jitted.trace(*args, **kwargs)
-        except Exception as err:  # noqa: BLE001
-            if self.static_argnums or self.static_argnames:
-                # jax.jit's call (not its trace) says what is wrong with a static argument
-                raise _StaticArgumentError() from err
-            raise
-        result = self.result
-        target = self.jitted
-        if result is not None and result.kept == "original" and self.plain is not None:
-            check, _, lowered = self._compile(self.plain.trace(*args, **kwargs), "original")
-            target = self.plain
-        else:
-            whole = _WholeProgram() if result is None else None
-            token = _measured_by_caller.set(whole)
-            try:
-                check, seconds, lowered = self._compile(traced)
-            finally:
-                _measured_by_caller.reset(token)
-            if whole is not None:
-                result = whole.result
-            if result is not None and not result.settled:
-                if result.needs_comparison and self.plain is not None:
-                    plain_check, plain_seconds, plain_lowered = self._compile(self.plain.trace(*args, **kwargs),
-                                                                              "original")
-                    if decide(result, check, seconds, plain_check, plain_seconds) == "original":
-                        check, target, lowered = plain_check, self.plain, plain_lowered
-                else:
-                    result.check = check
-                result.settled = True
-        if self.on_first_compile is not None:
-            self.on_first_compile(args, kwargs, lowered, None, check)
-        enforce(check, self.config.strict)
-        return check, target
-
-    def _compile(self, traced, which: str = "") -> tuple[MemoryCheck, float, object]:
-        start = time.perf_counter()
-        lowered = traced.lower()
-        compiled = lowered.compile()
-        seconds = time.perf_counter() - start
-        label = f"{self.label} ({which})" if which else self.label
-        return measure(compiled, lowered, self.config.memory_limit, label, list_largest="over_limit"), seconds, lowered
-
-
-_primitive_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def checked_primitive_call(jaxpr: jx.ClosedJaxpr, config, name: str, notes: tuple = ()) -> CheckedJit:
-    """A checked, compiled callable for a ``hlopass_call`` met outside any trace (eager AD, eager vmap).
-
-    It compiles the pipeline's result itself (and ``jaxpr`` when the passes could not bound it), as
-    functions that hold the programs weakly: the cache is keyed by ``jaxpr``.
-    """
-    per_config = _primitive_calls.setdefault(jaxpr, {})
-    key = (config, notes)
-    checked = per_config.get(key)
-    if checked is None:
-        result = run_pipeline(jaxpr, config, name, notes)
-        plain = jax.jit(_evaluator(jaxpr, name)) if result.changed else None
-        checked = per_config[key] = CheckedJit(_evaluator(result.jaxpr, name), {}, config, name, plain=plain,
-                                               result=result)
-    return checked
-
-
-def _bind_here(closed: jx.ClosedJaxpr, args) -> list:
-    """Evaluate ``closed`` in the current trace, each equation under the caller's source line (as
-    jax.jit's own equation would be), not under the line recorded when it was traced."""
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, args))
-
-    def read(atom):
-        return atom.val if isinstance(atom, jx.Literal) else env[atom]
-
-    for eqn in closed.jaxpr.eqns:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
-    return [read(v) for v in closed.jaxpr.outvars]
-
-
-def _evaluator(closed: jx.ClosedJaxpr, name: str) -> Callable:
-    """``jaxpr_as_fun(closed)`` holding ``closed`` weakly (as ``jx._get_jaxpr_as_fun`` does)."""
-    ref = weakref.ref(closed)
-
-    def evaluate(*args):
-        program = ref()
-        return jx.eval_jaxpr(program.jaxpr, program.consts, *args)
-
-    evaluate.__name__ = evaluate.__qualname__ = f"hlopass_{_safe(name)}"
-    return evaluate
 
 
 # hlopass's own frames are JAX-internal: source lines in reports, jaxprs and StableHLO name the user's

@@ -40,7 +40,7 @@ class Config:
     #: A reordering (matrix_chain) must cut the multiply-adds by at least this factor.
     min_gain: float = DEFAULT_MIN_GAIN
     #: When the passes change a program but cannot bound it, keep the original if XLA says it needs
-    #: less memory (see :mod:`hlopass.call`); off: always run the rewritten program.
+    #: less memory (see :mod:`hlopass.never_worse`); off: always run the rewritten program.
     never_worse: bool = True
 
     @property

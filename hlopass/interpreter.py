@@ -11,13 +11,13 @@ in their place. ``jax.make_jaxpr`` of that interpreter is the new jaxpr.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import networkx as nx
 from hlopass import internals as jx
 
 from hlopass.families import CALLS, REMAT
-from hlopass.jaxpr_utils import call_body, dce, has_subjaxprs, map_subjaxprs, trace_flat
+from hlopass.jaxpr_utils import call_body, dce, has_subjaxprs, iter_eqns, map_subjaxprs, trace_flat
 
 #: What :func:`inline_calls` inlines: plain calls and ``checkpoint`` bodies (which only matter
 #: across a forward/backward boundary, and hlopass programs have none once JAX split them into calls).
@@ -59,13 +59,11 @@ def at_source_of(eqn: jx.JaxprEqn):
 
 
 def evaluate(jaxpr: jx.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-             replacements: Sequence[Replacement] = (), eqn_rule: EqnRule | None = None,
-             inline_calls: bool = False) -> list[Any]:
+             replacements: Sequence[Replacement] = (), eqn_rule: EqnRule | None = None) -> list[Any]:
     """Evaluate ``jaxpr`` like ``jx.eval_jaxpr`` but with ``replacements`` applied.
 
     ``eqn_rule(eqn, invals)`` may return output values for any untouched
-    equation (``None`` to bind it as it is). With ``inline_calls``, ``pjit``
-    and ``closed_call`` bodies are evaluated inline (recursively).
+    equation (``None`` to bind it as it is).
     """
     env: dict[jx.Var, Any] = {}
 
@@ -94,10 +92,6 @@ def evaluate(jaxpr: jx.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         eqn = item
         invals = list(map(read, eqn.invars))
         outs = eqn_rule(eqn, invals) if eqn_rule is not None else None
-        if outs is None and inline_calls and eqn.primitive.name in PLAIN_CALLS:
-            body = call_body(eqn)
-            with at_source_of(eqn):
-                outs = evaluate(body.jaxpr, body.consts, invals, eqn_rule=eqn_rule, inline_calls=True)
         if outs is None:
             outs = bind_equation(eqn, invals)
         for var, value in zip(eqn.outvars, outs):
@@ -140,7 +134,7 @@ def _schedule(jaxpr: jx.Jaxpr, replacements: Sequence[Replacement]):
 
 
 def rewrite(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement] = (),
-            eqn_rule: EqnRule | None = None, inline_calls: bool = False, name: str = "hlopass") -> jx.ClosedJaxpr:
+            eqn_rule: EqnRule | None = None, name: str = "hlopass") -> jx.ClosedJaxpr:
     """Re-trace ``closed`` with ``replacements`` (and ``eqn_rule``) applied; dead code removed.
 
     The result has the same input and output avals as ``closed``.
@@ -148,17 +142,44 @@ def rewrite(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement] = (),
     in_avals = [v.aval for v in closed.jaxpr.invars]
 
     def interpret(*args):
-        return evaluate(closed.jaxpr, closed.consts, args, replacements, eqn_rule, inline_calls)
+        return evaluate(closed.jaxpr, closed.consts, args, replacements, eqn_rule)
 
     new = trace_flat(interpret, in_avals, name)
     return dce(new)
 
 
-def inline_calls(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
-    """Inline nested ``pjit``/``closed_call`` bodies (recursively) so passes see one flat program."""
-    if not any(eqn.primitive.name in PLAIN_CALLS for eqn in closed.jaxpr.eqns):
+def inline_calls(closed: jx.ClosedJaxpr, primitives: Collection[str] = PLAIN_CALLS,
+                 keep: Callable[[jx.JaxprEqn], bool] | None = None, deep: bool = False, *,
+                 name: str = "hlopass") -> jx.ClosedJaxpr:
+    """``closed`` with every call whose primitive is in ``primitives`` replaced by its body
+    (:func:`~hlopass.jaxpr_utils.call_body`), recursively through the calls it inlines, under the
+    call's source line; ``closed`` itself when there is none to inline.
+
+    ``keep(eqn)``: a call left as it is (its body not entered either, unless ``deep``). ``deep``: go
+    into every sub-jaxpr too (loop and branch bodies, kept calls), each rewritten on its own. The
+    default inlines plain calls and ``checkpoint`` s at this level, so passes see one flat program;
+    with :data:`~hlopass.families.INLINABLE` custom-derivative calls are their primal computation
+    (the passes run after JAX has differentiated the program).
+    """
+    def inlined(eqn) -> bool:
+        return eqn.primitive.name in primitives and (keep is None or not keep(eqn))
+
+    eqns = iter_eqns(closed) if deep else closed.jaxpr.eqns
+    if not any(inlined(eqn) for eqn in eqns):
         return closed
-    return rewrite(closed, inline_calls=True)
+
+    def rule(eqn, invals):
+        if inlined(eqn):
+            body = call_body(eqn)
+            if body is not None:
+                with at_source_of(eqn):
+                    return evaluate(body.jaxpr, body.consts, invals, eqn_rule=rule)
+        if not deep:
+            return None
+        params = map_subjaxprs(eqn, lambda sub: inline_calls(sub, primitives, keep, deep, name=name))
+        return None if params is None else bind_equation(eqn, invals, params)
+
+    return rewrite(closed, eqn_rule=rule, name=name)
 
 
 def rewrite_nested(closed: jx.ClosedJaxpr, level: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) -> jx.ClosedJaxpr:

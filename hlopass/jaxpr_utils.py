@@ -175,13 +175,3 @@ def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int,
 def _described(rows) -> list[tuple[str, int, str]]:
     from hlopass.report import source_line
     return [(aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}") for nbytes, var, eqn in rows]
-
-
-def bytes_upper_bound(closed) -> int:
-    """A crude upper bound on the bytes a compiled ``closed`` can hold at once: its inputs and every
-    value it defines, each counted once (a loop body's values once, as XLA reuses their buffers)."""
-    jaxpr = getattr(closed, "jaxpr", closed)
-    total = sum(aval_nbytes(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars))
-    for eqn in iter_eqns(jaxpr, into_own_programs=True):
-        total += sum(aval_nbytes(v.aval) for v in eqn.outvars)
-    return total

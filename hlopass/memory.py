@@ -1,11 +1,18 @@
-"""Checking a compiled program against the memory limit."""
+"""Checking a compiled program against the memory limit: XLA's figures for a program compiled on its own
+(:func:`footprint`) and a crude bound that can spare that compile (:func:`upper_bound`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any, Callable, Sequence
+
+import jax
+from hlopass import internals as jx
 
 from hlopass.errors import MemoryLimitError
+from hlopass.jaxpr_utils import aval_nbytes, iter_eqns
+from hlopass.sharding import mesh_of
 from hlopass.sizes import format_size
 from hlopass.stablehlo import TensorInfo, largest_tensors
 
@@ -77,3 +84,46 @@ def enforce(check: MemoryCheck, strict: bool) -> None:
     if strict:
         raise MemoryLimitError(message, check)
     logger.warning(message)
+
+
+def footprint(closed: jx.ClosedJaxpr, shardings: Sequence[Any] | None = None, *, typed: bool = True,
+              limit: int | None = None, label: str = "function") -> MemoryCheck:
+    """Compile ``closed`` on its own and read XLA's memory figures (``.footprint``: temporaries plus
+    arguments and outputs, less aliases).
+
+    With ``shardings`` (one entry per input, ``None`` where unknown) the inputs are placed with them
+    and the figures are one device's (the figure the memory limit bounds); the program is lowered
+    under their mesh when it has explicit axes. An input without a sharding is lowered at its own
+    type (an explicit sharding in it, its weak type), or with ``typed=False`` at its shape and dtype
+    alone, as the passes measure (while a pass runs, an explicit type's mesh may be in no context).
+    With a ``limit`` the check is made against it and, when over, lists the largest tensors (for the
+    warning).
+    """
+    given = shardings if shardings is not None and len(shardings) == len(closed.in_avals) else None
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) if hasattr(a, "shape") and (s is not None or not typed)
+            else a for a, s in zip(closed.in_avals, given or (None,) * len(closed.in_avals))]
+    with mesh_of(shardings):  # explicit types need their mesh
+        lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(*args)
+    return measure(lowered.compile(), lowered, limit, label, list_largest="over_limit")
+
+
+def upper_bound(closed, share: Callable[[Any], int] | None = None, *, own_values_only: bool = False) -> int:
+    """A crude upper bound on the bytes a compiled ``closed`` can hold at once: its inputs and every
+    value it defines, each counted once (a loop body's values once, as XLA reuses their buffers).
+
+    ``share(var)``: the bytes one device holds of a value of the top level (its inputs and the values
+    its own equations define; default: all of it), for a bound on one device. Its constants and the
+    values of nested ``hlopass_call`` programs, compiled with it, count too, unless
+    ``own_values_only`` (the passes bound only the inputs and values of the program they rewrite).
+    """
+    jaxpr = getattr(closed, "jaxpr", closed)
+    whole = lambda v: aval_nbytes(v.aval)  # noqa: E731
+    share = share or whole
+    total = sum(share(v) for v in jaxpr.invars)
+    if not own_values_only:
+        total += sum(whole(v) for v in jaxpr.constvars)
+    top = {id(eqn) for eqn in jaxpr.eqns} if share is not whole else set()
+    for eqn in iter_eqns(jaxpr, into_own_programs=not own_values_only):
+        count = share if id(eqn) in top else whole
+        total += sum(count(v) for v in eqn.outvars)
+    return total

@@ -44,8 +44,8 @@ class PipelineResult:
 
     ``jaxpr`` is the original object itself when no pass rewrote anything. When the passes changed
     the program but could not bound it (values above the threshold remain), XLA's figures for the
-    rewritten and the original program decide which one is compiled (:attr:`kept`, set by the
-    checked call in :mod:`hlopass.call`; the report says why). The original is held weakly: this
+    rewritten and the original program decide which one is compiled (:attr:`kept`, set by
+    :func:`hlopass.never_worse.decide`; the report says why). The original is held weakly: this
     object lives in a cache keyed by it.
     """
 
@@ -57,7 +57,7 @@ class PipelineResult:
         self.config = config
         #: "rewritten" or "original" once XLA's figures decided (only for changed, unbounded programs)
         self.kept: str | None = None
-        #: the memory check of the program compiled alone, once made (see :mod:`hlopass.call`)
+        #: the memory check of the program compiled alone, once made (see :mod:`hlopass.never_worse`)
         self.check = None
         self.settled = False
         self.warned = False

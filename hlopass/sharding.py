@@ -111,7 +111,7 @@ def _dynamic_leaves(checked, args, kwargs) -> list:
 
 def argument_shards(checked, args, kwargs) -> tuple | None:
     """Pieces per dimension of each dynamic argument leaf of a call of ``checked`` (a
-    :class:`~hlopass.call.CheckedJit`), in the order the ``hlopass_call`` receives them."""
+    :class:`~hlopass.checked.CheckedJit`), in the order the ``hlopass_call`` receives them."""
     found = []
     for leaf in _dynamic_leaves(checked, args, kwargs):
         shape = getattr(leaf, "shape", None)

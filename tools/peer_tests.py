@@ -88,6 +88,7 @@ def install() -> None:
 
     import hlopass
     import hlopass.call
+    import hlopass.checked
 
     real_jit = jx.api_module.jit
     threshold = os.environ.get(ENV_THRESHOLD, "1")
@@ -114,7 +115,8 @@ def install() -> None:
         for rewrite in result.report.rewrites:
             counter[f"{rewrite.pass_name}:{rewrite.kind}"] += 1
         return result
-    hlopass.call.run_pipeline = counting
+    hlopass.call.run_pipeline = counting  # the lowering rule
+    hlopass.checked.run_pipeline = counting  # the primitive's eager calls (eager jax.grad / jax.vmap)
 
 
 #: jnp/lax names whose eager calls are not routed: they return dtypes, shapes or Python values.

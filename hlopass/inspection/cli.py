@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                       file=sys.stderr)
         print(f"dump written to {folder}")
     if options.explorer:
-        from hlopass.call import inspecting
+        from hlopass.never_worse import inspecting
         try:
             with inspecting():  # the memory figures are reported below
                 explorer.write_explorer(options.explorer, function, *specs, config=explanation.config)

@@ -13,9 +13,10 @@ import jax
 
 from hlopass.api import HlopassFunction
 from hlopass.api import jit as hlopass_jit
-from hlopass.call import hlopass_call_p, inspecting
+from hlopass.call import hlopass_call_p
 from hlopass.jaxpr_utils import iter_eqns
 from hlopass.memory import MemoryCheck, measure
+from hlopass.never_worse import inspecting
 from hlopass.pipeline import run_pipeline
 from hlopass.report import PipelineReport
 from hlopass.sizes import format_size

@@ -122,7 +122,6 @@ def module_nodes(module_text: str, split_loops: list[Rewrite] = ()) -> list[OpNo
     inside it (called functions included) gets it as ``loop``.
     """
     from hlopass import internals as jx
-    from hlopass import internals as jx
 
     pending: dict[str, list[Rewrite]] = {}
     for rewrite in split_loops:

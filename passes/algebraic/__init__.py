@@ -55,8 +55,8 @@ from hlopass import internals as jx
 
 from hlopass.families import INLINABLE
 from hlopass.finite import SPLITS_REGIONS
-from hlopass.interpreter import Replacement, at_source_of, bind_equation, evaluate, rewrite, rewrite_nested
-from hlopass.jaxpr_utils import aval_str, call_body, iter_eqns, map_subjaxprs, trace_flat
+from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
+from hlopass.jaxpr_utils import aval_str, trace_flat
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
@@ -171,19 +171,7 @@ def inline_calls_everywhere(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     The passes run after JAX has differentiated the program, so a custom rule's body is the
     computation; inlining lets the matcher read values inside it and see who reads its results.
     """
-    if not any(eqn.primitive.name in INLINABLE for eqn in iter_eqns(closed)):
-        return closed
-
-    def rule(eqn, invals):
-        if eqn.primitive.name in INLINABLE:
-            body = call_body(eqn)
-            if body is not None:
-                with at_source_of(eqn):
-                    return evaluate(body.jaxpr, body.consts, invals, eqn_rule=rule)
-        params = map_subjaxprs(eqn, inline_calls_everywhere)
-        return None if params is None else bind_equation(eqn, invals, params)
-
-    return rewrite(closed, eqn_rule=rule, name="algebraic")
+    return inline_calls(closed, INLINABLE, deep=True, name="algebraic")
 
 
 

@@ -45,6 +45,7 @@ from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.jaxpr_utils import dce
+from hlopass.memory import footprint, upper_bound
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 from hlopass.sizes import format_size
@@ -52,7 +53,7 @@ from hlopass.sizes import format_size
 from .chain import analyse, keeps_residuals
 from .cost import rates
 from .emit import emit
-from .loop import ChainProblem, ScanProblem, closed_loop, footprint, upper_bound
+from .loop import ChainProblem, ScanProblem, closed_loop
 from .primal import rematerialize_primal
 from .report import describe_outcome
 from .scans import block_lengths, segments
@@ -85,7 +86,7 @@ class RematPass(Pass):
 
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         limit = config.memory_limit
-        if limit is None or not keeps_residuals(closed) or upper_bound(closed) <= limit:
+        if limit is None or not keeps_residuals(closed) or upper_bound(closed, own_values_only=True) <= limit:
             return closed, PassReport(self.name)
         key = (structure(closed), config, self)
         if key not in _done:
@@ -100,7 +101,7 @@ class RematPass(Pass):
         """:meth:`run` past the cheap checks; ``None`` for "unchanged"."""
         report = PassReport(self.name)
         limit = config.memory_limit
-        footprint0 = footprint(closed)
+        footprint0 = footprint(closed, typed=False).footprint
         if footprint0 <= limit:
             return None, report
         machine = rates()
@@ -130,7 +131,7 @@ class RematPass(Pass):
                     scan_plans[pair.forward] = segments(sol.items, sol.group, pair.length(closed.jaxpr))
             return emit(analysis, flat_items, scan_plans)
 
-        outcome = closed_loop(problems, emit_plan, footprint, footprint0, limit,
+        outcome = closed_loop(problems, emit_plan, lambda new: footprint(new, typed=False).footprint, footprint0, limit,
                               max_rounds=self.options.max_rounds, slack=self.options.slack)
         describe_outcome(report, outcome, names, analysis, footprint0, limit, machine)
         if outcome.chosen is None or (not outcome.fits and outcome.chosen.footprint >= footprint0):

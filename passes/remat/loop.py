@@ -20,11 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-import jax
 from hlopass import internals as jx
-
-from hlopass.jaxpr_utils import aval_nbytes, iter_eqns
-from hlopass.memory import measure
 
 from .schedule import Chain, Solver, Stored, simulate
 
@@ -235,15 +231,3 @@ def _slope(points: list[tuple[float, int]], kept: int) -> float:
         if slope > 0.05 * max(kept, 1):
             return slope
     return float(max(kept, 1))
-
-
-def upper_bound(closed: jx.ClosedJaxpr) -> int:
-    """Bytes of every value the program defines (loop bodies once) plus its inputs: XLA cannot need more."""
-    values = sum(aval_nbytes(v.aval) for eqn in iter_eqns(closed) for v in eqn.outvars)
-    return values + sum(aval_nbytes(a) for a in closed.in_avals)
-
-
-def footprint(closed: jx.ClosedJaxpr) -> int:
-    """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own."""
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    return measure(jax.jit(jx.jaxpr_as_fun(closed)).lower(*args).compile()).footprint

@@ -34,12 +34,13 @@ from hlopass import internals as jx
 
 from hlopass.interpreter import bind_equation, inline_calls
 from hlopass.jaxpr_utils import aval_nbytes, dce, subjaxprs, trace_flat
+from hlopass.memory import footprint, upper_bound
 from hlopass.report import Note, PassReport
 
 from .chain import Analysis, build_chain, derived_residuals, is_cheap
 from .cost import jaxpr_counts, rates
 from .gate import remat_block
-from .loop import ChainProblem, ScanProblem, closed_loop, footprint, upper_bound
+from .loop import ChainProblem, ScanProblem, closed_loop
 from .report import describe_outcome
 from .scans import block_lengths, checkpointed_scan, segments
 from .schedule import Chain, Stored
@@ -325,11 +326,11 @@ def rematerialize_primal(closed: jx.ClosedJaxpr, config, notes: list[Note], opti
     if 3 * unrolled_bound(closed) <= limit:
         return closed
     gradient = vjp_program(closed)
-    if upper_bound(gradient) <= limit:
+    if upper_bound(gradient, own_values_only=True) <= limit:
         return closed
 
     def measure(program):
-        return footprint(backward_program(program, config.threshold))
+        return footprint(backward_program(program, config.threshold), typed=False).footprint
     footprint0 = measure(closed)
     if footprint0 <= limit:
         return closed

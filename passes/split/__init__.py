@@ -62,10 +62,11 @@ import dataclasses
 from hlopass import internals as jx
 
 from hlopass.config import Config
-from hlopass.jaxpr_utils import aval_nbytes, iter_eqns, largest_values
+from hlopass.jaxpr_utils import largest_values
+from hlopass.memory import footprint as measure_alone, upper_bound
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
-from hlopass.sharding import input_shardings, mesh_of
+from hlopass.sharding import input_shardings
 from hlopass.sizes import format_size
 
 from .driver import inline_calls_holding_large, split_level, split_nested
@@ -98,12 +99,12 @@ class SplitPass(Pass):
     def _run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         new, report = self.run_once(closed, config)
         limit = config.memory_limit
-        if limit is None or config.threshold is None or not report.rewrites or _upper_bound(new) <= limit:
+        if limit is None or config.threshold is None or not report.rewrites or upper_bound(new, device_bytes(new.jaxpr), own_values_only=True) <= limit:
             return new, report
         retries: list = []
         shardings = _input_shardings(closed)
         try:
-            footprint = _footprint(new, shardings)
+            footprint = measure_alone(new, shardings, typed=False).footprint
         except Exception as err:  # noqa: BLE001 - a diagnostic compile must not lose the split
             report.skip("<memory limit>", "split", f"could not compile the split program alone to check its "
                         f"memory (the whole program is still checked): {error_text(err)}")
@@ -114,7 +115,7 @@ class SplitPass(Pass):
                                           split_size=max(1, current.split_size // 2))
             retries.append((current, smaller, footprint))
             new, report = self.run_once(closed, smaller)
-            footprint, current = _footprint(new, shardings), smaller
+            footprint, current = measure_alone(new, shardings, typed=False).footprint, smaller
         for before, after, seen in retries:
             report.rewrite("retry", "<memory limit>",
                            f"XLA footprint {format_size(seen)} over the limit {format_size(limit)}: "
@@ -140,29 +141,7 @@ class SplitPass(Pass):
 
 
 
-def _upper_bound(closed: jx.ClosedJaxpr) -> int:
-    """Bytes of every value the program defines (loop bodies once) plus its inputs, the top level's on
-    one device (:mod:`.shares`): XLA cannot need more on one device."""
-    share = device_bytes(closed.jaxpr)
-    top = set(id(eqn) for eqn in closed.jaxpr.eqns)
-    values = sum(share(v) if id(eqn) in top else aval_nbytes(v.aval)
-                 for eqn in iter_eqns(closed) for v in eqn.outvars)
-    return values + sum(share(v) for v in closed.jaxpr.invars)
-
-
 def _input_shardings(closed: jx.ClosedJaxpr) -> tuple | None:
     """The jax.jit arguments' ``NamedSharding`` s of ``closed``'s inputs, when known."""
     shardings = input_shardings()
     return shardings if shardings is not None and len(shardings) == len(closed.in_avals) else None
-
-
-def _footprint(closed: jx.ClosedJaxpr, shardings: tuple | None = None) -> int:
-    """XLA's footprint (temp + arguments + outputs - aliases) for ``closed`` compiled on its own: one
-    device's when the inputs' ``shardings`` are given (the figure the memory limit bounds)."""
-    import jax
-    from hlopass.memory import measure
-    shardings = shardings or (None,) * len(closed.in_avals)
-    args = [jax.lax.create_token() if isinstance(a, jx.AbstractToken) else
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(closed.in_avals, shardings)]
-    with mesh_of(shardings):  # explicit types need their mesh
-        return measure(jax.jit(jx.jaxpr_as_fun(closed)).lower(*args).compile()).footprint

@@ -15,8 +15,8 @@ from hlopass import internals as jx
 from hlopass.config import Config
 from hlopass.graph import DataflowGraph
 from hlopass.families import INLINABLE
-from hlopass.interpreter import Replacement, at_source_of, bind_equation, evaluate, rewrite
-from hlopass.jaxpr_utils import aval_nbytes, call_body, has_subjaxprs, iter_eqns, map_subjaxprs, subjaxprs
+from hlopass.interpreter import Replacement, bind_equation, inline_calls, rewrite
+from hlopass.jaxpr_utils import aval_nbytes, has_subjaxprs, iter_eqns, map_subjaxprs, subjaxprs
 from hlopass.report import PassReport, Rewrite, source_line
 
 from .emit import LoopPlan
@@ -193,16 +193,4 @@ def inline_calls_holding_large(closed: jx.ClosedJaxpr, threshold: int) -> jx.Clo
 
     Passes run after differentiation, so a custom-derivative call is its primal computation.
     """
-    if not any(eqn.primitive.name in INLINABLE and _holds_large(eqn, threshold) for eqn in closed.jaxpr.eqns):
-        return closed
-
-    def inline(eqn, invals):
-        if eqn.primitive.name not in INLINABLE or not _holds_large(eqn, threshold):
-            return None
-        body = call_body(eqn)
-        if body is None:
-            return None
-        with at_source_of(eqn):
-            return evaluate(body.jaxpr, body.consts, invals, eqn_rule=inline)
-
-    return rewrite(closed, eqn_rule=inline)
+    return inline_calls(closed, INLINABLE, keep=lambda eqn: not _holds_large(eqn, threshold))

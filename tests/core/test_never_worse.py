@@ -12,7 +12,7 @@ import pytest
 
 import hlopass
 from fixtures import exact_gp
-from hlopass import call
+from hlopass import call, never_worse
 from hlopass.memory import MemoryCheck
 from hlopass.pipeline import PipelineResult
 from hlopass.report import PipelineReport
@@ -63,7 +63,7 @@ def test_gp_value_and_grad_no_worse_than_plain():
         np.testing.assert_array_equal(grad, plain_grad)
         assert comparison.original_compile_s <= 1.5 * plain_seconds + 1.0
     else:
-        assert comparison.rewritten_bytes <= call.KEEP_REWRITTEN_BELOW * comparison.original_bytes
+        assert comparison.rewritten_bytes <= never_worse.KEEP_REWRITTEN_BELOW * comparison.original_bytes
         np.testing.assert_allclose(grad, plain_grad, rtol=1e-6)
     assert "kept the" in str(h.trace(*args).report)
 
@@ -120,7 +120,7 @@ def _check(footprint, limit=None):
 ])
 def test_decide(rewritten, original, limit, kept):
     result = _result(limit)
-    assert call.decide(result, _check(rewritten, limit), 1.0, _check(original, limit), 0.5) == kept
+    assert never_worse.decide(result, _check(rewritten, limit), 1.0, _check(original, limit), 0.5) == kept
     assert result.kept == kept and result.report.comparison.kept == kept
     assert result.check.footprint == (rewritten if kept == "rewritten" else original)
 

@@ -38,6 +38,7 @@ import numpy as np
 
 import hlopass
 import hlopass.call
+import hlopass.checked
 from tests.fuzz.exclusions import excluded
 from tests.fuzz.programs import Program, RandomDraw, draw_program, float_inputs, linear_loss
 
@@ -146,20 +147,24 @@ def _value_and_grad(F, float_pos):
 
 @contextlib.contextmanager
 def observed_reports():
-    """Collect the report of every pipeline run the lowering of ``hlopass_call`` s makes meanwhile
-    (forward, backward and batched programs alike), without running the passes a second time."""
+    """Collect the report of every pipeline run the ``hlopass_call`` s make meanwhile (lowered, or
+    called eagerly: forward, backward and batched programs alike), without running the passes a
+    second time."""
     reports = []
     original = hlopass.call.run_pipeline
+    runners = (hlopass.call, hlopass.checked)  # the lowering rule, and the primitive's eager calls
 
     def observing(*args, **kwargs):
         result = original(*args, **kwargs)
         reports.append(result.report)
         return result
-    hlopass.call.run_pipeline = observing
+    for module in runners:
+        module.run_pipeline = observing
     try:
         yield reports
     finally:
-        hlopass.call.run_pipeline = original
+        for module in runners:
+            module.run_pipeline = original
 
 
 def execute(batch: Batch, reference_only: bool = False, widen: bool = False, perturb: bool = False):

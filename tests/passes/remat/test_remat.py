@@ -9,7 +9,7 @@ import pytest
 from hlopass import internals as jx
 
 import hlopass
-from hlopass.call import _primitive_calls
+from hlopass.checked import _primitive_calls
 from hlopass.memory import measure
 from hlopass.passes.remat.primal import backward_program
 
