@@ -8,7 +8,7 @@ forward scan that keeps every step's values and a transposed one. So, while
 one that traces the function being differentiated to a jaxpr, replaces its
 linear-recurrence scans by adjoint scans (:func:`.rewrite.rewrite_scans`)
 and differentiates that instead. A function without such a scan is
-differentiated as it was written (traced once more, then called as is).
+differentiated as it was written (after one probe trace that records nothing).
 Derivatives taken by this pass's own machinery are left alone.
 """
 
@@ -43,13 +43,17 @@ def _patched(original: Callable) -> Callable:
         if tracing is None or in_machinery() or kwargs:
             return original(fun, *primals, has_aux=has_aux, **kwargs)
         notes, memory_limit, options, check = tracing
+        with own_machinery():  # a probe at the current depth: does ``fun`` hold a linear recurrence?
+            probe, found = jax.make_jaxpr(fun)(*primals), []
+            if rewrite_scans(probe, memory_limit, options, found, check) is probe:
+                notes.extend(n for n in found if n not in notes)   # the scans left alone, and why
+                return original(fun, *primals, has_aux=has_aux)   # differentiated as written
 
+        @functools.wraps(fun)
         def rewritten(*args):
             with own_machinery():
                 closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
                 new = rewrite_scans(closed, memory_limit, options, notes, check)
-            if new is closed:
-                return fun(*args)
             leaves = jax.tree_util.tree_leaves(args)
             outs = jx.jaxpr_as_fun(new)(*leaves)
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), list(outs))
