@@ -1,0 +1,142 @@
+"""Finding the linear recurrences of a program and replacing each by an adjoint scan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+
+from hlopass import internals as jx
+
+from hlopass.families import CUSTOM_DERIVATIVE_CALLS
+from hlopass.interpreter import Replacement, rewrite, rewrite_nested
+from hlopass.jaxpr_utils import iter_eqns, subjaxprs
+from hlopass.report import Note, source_line
+from hlopass.sizes import format_size
+
+from .emit import adjoint_scan
+from .recurrence import Recurrence, body_function, classify
+
+logger = logging.getLogger("hlopass")
+
+NAME = "adjoint"
+
+#: The relative gradient difference each truncated recurrence measured, by source line (the last
+#: measurement; filled when the program's backward pass runs with checks on).
+truncation_errors: dict[str, float] = {}
+
+_own = threading.local()
+
+
+def in_machinery() -> bool:
+    """Whether the code running now is this pass's own (its derivatives are not the user's)."""
+    return getattr(_own, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def own_machinery():
+    _own.depth = getattr(_own, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _own.depth -= 1
+
+
+def chunk_length(length: int, rec: Recurrence, memory_limit: int | None, chunk: int | None) -> int:
+    """K: the option if given, else about sqrt(T) steps, smaller when K steps of the body's
+    intermediates would take more than an eighth of the memory limit."""
+    if chunk is not None:
+        return max(1, min(chunk, length))
+    k = math.ceil(math.sqrt(length))
+    if memory_limit is not None and rec.step_bytes:
+        k = min(k, max(1, memory_limit // (8 * rec.step_bytes)))
+    return max(1, min(k, length))
+
+
+def _not_differentiated(closed: jx.ClosedJaxpr) -> set[int]:
+    """Ids of the bodies of custom-derivative calls (JAX differentiates those by their rules)."""
+    out: set[int] = set()
+
+    def collect(jaxpr):
+        out.add(id(jaxpr))
+        for eqn in jaxpr.eqns:
+            for sub in subjaxprs(eqn):
+                collect(sub)
+    for eqn in iter_eqns(closed.jaxpr):
+        if eqn.primitive.name in CUSTOM_DERIVATIVE_CALLS:
+            for sub in subjaxprs(eqn):
+                collect(sub)
+    return out
+
+
+def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
+    length = eqn.params["length"]
+    n_kept = -(-length // k)
+    kept = n_kept * rec.carry_bytes
+    plain = length * max(rec.step_bytes, rec.carry_bytes)
+    ours = kept + k * max(rec.step_bytes, rec.carry_bytes)
+    solver = "associative scan" if rec.form in ("diagonal", "complex") else "sequential scan"
+    form = {"diagonal": "diagonal (h' = a*h + b)", "complex": "complex diagonal (h' = a*h + b, a complex)",
+            "dense": "dense (h' = A h + b)"}[rec.form]
+    summary = (f"linear recurrence over {length} steps, {form}: gradient by the adjoint method "
+               f"(adjoint states by {solver}, per-step VJPs batched over chunks of {k} steps); keeps the "
+               f"carry every {k} steps ({format_size(kept)}) instead of every step's intermediates "
+               f"(up to {format_size(plain)}): saves up to {format_size(max(plain - ours, 0))}")
+    if options.truncate is not None:
+        summary += (f"; TRUNCATED to {options.truncate} steps: the gradient is approximate (the adjoint is "
+                    f"not carried across blocks of {options.truncate} steps)")
+    details = (("form", rec.form), ("length", length), ("chunk", k), ("kept_bytes", kept),
+               ("plain_bytes", plain), ("saved_bytes", max(plain - ours, 0)),
+               ("truncate", options.truncate))
+    return summary, details
+
+
+def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Note],
+                  check: bool = False) -> jx.ClosedJaxpr:
+    """Replace every linear-recurrence scan of ``closed`` (at any depth outside custom-derivative
+    bodies) by an adjoint scan; ``closed`` itself when there is none. Findings go to ``notes``."""
+    if not any(e.primitive.name == "scan" for e in iter_eqns(closed.jaxpr)):
+        return closed
+    skipped = _not_differentiated(closed)
+
+    def add(note: Note):
+        if note not in notes:
+            notes.append(note)
+
+    def level(c: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+        if id(c.jaxpr) in skipped:
+            return c
+        reps = []
+        for i, eqn in enumerate(c.jaxpr.eqns):
+            if eqn.primitive.name != "scan":
+                continue
+            site = source_line(eqn)
+            try:
+                rec = classify(eqn)
+            except Exception as err:  # noqa: BLE001 - an unknown body is left alone, never a crash
+                rec = Recurrence(None, f"its body could not be analysed ({type(err).__name__}: {err})")
+            if rec.form is None:
+                add(Note(NAME, "skip", site, rec.reason, "scan"))
+                continue
+            params = eqn.params
+            nc, nk = jx.scan_num_consts(params), jx.scan_num_carry(params)
+            k = chunk_length(params["length"], rec, memory_limit, options.chunk)
+            if options.truncate is not None:
+                k = min(options.truncate, params["length"])
+            summary, details = _describe(eqn, rec, k, options)
+            on_trunc = None
+            if options.truncate is not None and check:
+                def on_trunc(rel, site=site):
+                    truncation_errors[site] = float(rel)
+                    logger.info("hlopass: adjoint at %s: truncated gradient differs from the exact one by "
+                                "%.3g (relative)", site, float(rel))
+            fun = adjoint_scan(body_function(params["jaxpr"], nc, nk), nc, nk, params["length"], k, rec.form,
+                               truncate=options.truncate, on_truncation=on_trunc, guard=own_machinery)
+            reps.append(Replacement([i], list(eqn.invars), list(eqn.outvars),
+                                    lambda *vals, fun=fun: fun(*vals), anchor=i))
+            add(Note(NAME, "adjoint_scan", site, summary, "scan", details))
+        return rewrite(c, reps) if reps else c
+
+    with own_machinery():
+        return rewrite_nested(closed, level)

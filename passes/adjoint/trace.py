@@ -1,0 +1,86 @@
+"""Trace-time half of the adjoint rewrite: ``jax.grad`` called inside a hlopass function.
+
+Once JAX has differentiated a program, its scan is already split into a
+forward scan that keeps every step's values and a transposed one. So, while
+``hlopass.jit`` traces the user's function (:meth:`hlopass.Pass.trace_context`),
+:func:`intercept_gradients` replaces JAX's ``vjp`` entry point (through which
+``jax.grad``, ``jax.value_and_grad``, ``jax.jacrev`` and ``jax.vjp`` go) by
+one that traces the function being differentiated to a jaxpr, replaces its
+linear-recurrence scans by adjoint scans (:func:`.rewrite.rewrite_scans`)
+and differentiates that instead. A function without such a scan is
+differentiated as it was written (after one probe trace that records nothing).
+Derivatives taken by this pass's own machinery are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Callable
+
+import jax
+from hlopass import internals as jx
+
+from hlopass.report import Note
+
+from .rewrite import in_machinery, own_machinery, rewrite_scans
+
+_lock = threading.Lock()
+_active = 0
+_saved: list = []
+_state = threading.local()
+
+
+def _targets():
+    return [(jx.api_module, "vjp"), (jax, "vjp")]
+
+
+def _patched(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def vjp(fun, *primals, has_aux=False, **kwargs):
+        tracing = getattr(_state, "tracing", None)
+        if tracing is None or in_machinery() or kwargs:
+            return original(fun, *primals, has_aux=has_aux, **kwargs)
+        notes, memory_limit, options, check = tracing
+        with own_machinery():  # a probe at the current depth: does ``fun`` hold a linear recurrence?
+            probe, found = jax.make_jaxpr(fun)(*primals), []
+            if rewrite_scans(probe, memory_limit, options, found, check) is probe:
+                notes.extend(n for n in found if n not in notes)   # the scans left alone, and why
+                return original(fun, *primals, has_aux=has_aux)   # differentiated as written
+
+        @functools.wraps(fun)
+        def rewritten(*args):
+            with own_machinery():
+                closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+                new = rewrite_scans(closed, memory_limit, options, notes, check)
+            leaves = jax.tree_util.tree_leaves(args)
+            outs = jx.jaxpr_as_fun(new)(*leaves)
+            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), list(outs))
+        return original(rewritten, *primals, has_aux=has_aux)
+    return vjp
+
+
+@contextlib.contextmanager
+def intercept_gradients(notes: list[Note], memory_limit, options, check: bool):
+    """While active (in this thread), reverse-mode derivatives of functions with linear recurrences
+    are taken by the adjoint method; findings go to ``notes``."""
+    global _active
+    with _lock:
+        if _active == 0:
+            for module, name in _targets():
+                _saved.append((module, name, getattr(module, name)))
+                setattr(module, name, _patched(getattr(module, name)))
+        _active += 1
+    outer = getattr(_state, "tracing", None)
+    _state.tracing = (notes, memory_limit, options, check)
+    try:
+        yield
+    finally:
+        _state.tracing = outer
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                while _saved:
+                    module, name, original = _saved.pop()
+                    setattr(module, name, original)
