@@ -30,7 +30,7 @@ import sys
 
 from tools import harness
 
-CASE_TIMEOUT_S = {"sgpr10000": 240, "sgpr4000": 120, "matvec1e6": 100, "transformer": 100}
+CASE_TIMEOUT_S = {"sgpr10000": 240, "sgpr4000": 120, "matvec1e6": 100, "transformer": 100, "knn100": 150}
 DEFAULT_TIMEOUT_S = 75
 CASES = ("knn3", "knn100", "matvec1e5", "matvec1e6", "sgpr1000", "sgpr4000", "sgpr10000", "transformer")
 N_POINTS, N_QUERIES, K = 1_000_000, 10_000, 10
