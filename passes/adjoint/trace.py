@@ -22,13 +22,11 @@ from typing import Callable
 import jax
 from hlopass import internals as jx
 
+from hlopass.patches import Patches
 from hlopass.report import Note
 
 from .rewrite import in_machinery, own_machinery, rewrite_scans
 
-_lock = threading.Lock()
-_active = 0
-_saved: list = []
 _state = threading.local()
 
 
@@ -61,26 +59,17 @@ def _patched(original: Callable) -> Callable:
     return vjp
 
 
+_PATCHES = Patches(_targets, lambda module, name, current: _patched(current))
+
+
 @contextlib.contextmanager
 def intercept_gradients(notes: list[Note], memory_limit, options, check: bool):
     """While active (in this thread), reverse-mode derivatives of functions with linear recurrences
     are taken by the adjoint method; findings go to ``notes``."""
-    global _active
-    with _lock:
-        if _active == 0:
-            for module, name in _targets():
-                _saved.append((module, name, getattr(module, name)))
-                setattr(module, name, _patched(getattr(module, name)))
-        _active += 1
-    outer = getattr(_state, "tracing", None)
-    _state.tracing = (notes, memory_limit, options, check)
-    try:
-        yield
-    finally:
-        _state.tracing = outer
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                while _saved:
-                    module, name, original = _saved.pop()
-                    setattr(module, name, original)
+    with _PATCHES.active():
+        outer = getattr(_state, "tracing", None)
+        _state.tracing = (notes, memory_limit, options, check)
+        try:
+            yield
+        finally:
+            _state.tracing = outer

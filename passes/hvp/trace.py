@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from hlopass import internals as jx
 
 from hlopass import report
+from hlopass.patches import Patches
 from hlopass.report import Note
 
 from .fwdrev import SCOPE, add_note, forward_differentiable, fwdrev_value_and_grad, in_machinery
@@ -65,10 +66,6 @@ _TRACE_KEY = jax.make_user_context(default_value=None)
 _state = threading.local()
 
 # The installation of the patched entry points, shared by all threads while any of them traces.
-_lock = threading.Lock()
-_active = 0
-_saved: list = []
-_originals: dict[str, Callable] = {}
 
 
 class _Tracing:
@@ -198,7 +195,7 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool, notes: list[Note])
                                      f"the inner loss {loss} calls a custom_vjp function, which forward mode "
                                      f"cannot differentiate (Hessian products left reverse-over-reverse)",
                                      "inner gradient"))
-                return _originals["vjp"](fun, *primals, has_aux=has_aux)[1](ct)
+                return _original_vjp()(fun, *primals, has_aux=has_aux)[1](ct)
             with jax.named_scope(SCOPE):
                 _, grads = fwdrev_value_and_grad(seeded, argnums=0)(tuple(primals), ct)
         add_note(notes, Note("hvp", "fwdrev_hvp", site,
@@ -210,7 +207,7 @@ def _fwdrev_vjp(fun: Callable, primals: tuple, has_aux: bool, notes: list[Note])
 
 
 def _patched_vjp(fun, *primals, has_aux=False, **kwargs):
-    original = _originals["vjp"]
+    original = _original_vjp()
     tracing = _tracing()
     if in_machinery() or tracing is None:
         return original(fun, *primals, has_aux=has_aux, **kwargs)
@@ -235,21 +232,16 @@ def _targets():
     return [(jx.api_module, "vjp"), (jax, "vjp"), (jx.api_module, "_jvp"), (jx.api_module, "linearize"), (jax, "linearize")]
 
 
-def _install() -> None:
-    _originals["vjp"] = jx.api_module.vjp
-    for module, name in _targets():
-        _saved.append((module, name, getattr(module, name)))
-        if name == "vjp":
-            setattr(module, name, _patched_vjp)
-        else:
-            setattr(module, name, _forward_barrier_of(getattr(module, name)))
+def _wrap(module, name: str, current: Callable) -> Callable:
+    return _patched_vjp if name == "vjp" else _forward_barrier_of(current)
 
 
-def _uninstall() -> None:
-    while _saved:
-        module, name, original = _saved.pop()
-        setattr(module, name, original)
-    _originals.clear()
+_PATCHES = Patches(_targets, _wrap)
+
+
+def _original_vjp() -> Callable:
+    """JAX's ``vjp`` as it was before these patches went in."""
+    return _PATCHES.originals()["vjp"]
 
 
 @contextlib.contextmanager
@@ -262,19 +254,11 @@ def intercept_gradients(notes: list[Note]):
     starts at zero for each outermost use. The patched entry points are
     installed while any thread traces under this context.
     """
-    global _active
-    with _lock:
-        if _active == 0:
-            _install()
-        _active += 1
-    outer = _tracing()
-    _state.tracing = _Tracing(notes)
-    try:
-        with _at_depth(0 if outer is None else _depth()):
-            yield
-    finally:
-        _state.tracing = outer
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                _uninstall()
+    with _PATCHES.active():
+        outer = _tracing()
+        _state.tracing = _Tracing(notes)
+        try:
+            with _at_depth(0 if outer is None else _depth()):
+                yield
+        finally:
+            _state.tracing = outer

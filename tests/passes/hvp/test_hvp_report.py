@@ -234,6 +234,6 @@ def test_nothing_left_behind_after_tracing():
     hlopass.jit(jax.grad(meta_loss), passes="hvp").trace(p, x)
     jax.grad(hlopass.jit(meta_loss, passes="hvp"))(p, x)
     assert jax.vjp is original_vjp
-    assert trace._active == 0 and not trace._saved and not trace._originals
+    assert trace._PATCHES._active == 0 and not trace._PATCHES.originals()
     assert trace._tracing() is None and trace._depth() == 0
     assert trace._TRACE_KEY.value is None
