@@ -30,7 +30,7 @@ import sys
 
 from tools import harness
 
-CASE_TIMEOUT_S = {"sgpr10000": 240, "sgpr4000": 120, "matvec1e6": 100, "transformer": 100, "knn100": 150}
+CASE_TIMEOUT_S = {"policy": 240, "sgpr10000": 240, "sgpr4000": 120, "matvec1e6": 100, "transformer": 100, "knn100": 240}
 DEFAULT_TIMEOUT_S = 75
 CASES = ("knn3", "knn100", "matvec1e5", "matvec1e6", "sgpr1000", "sgpr4000", "sgpr10000", "transformer")
 N_POINTS, N_QUERIES, K = 1_000_000, 10_000, 10
@@ -56,6 +56,7 @@ def timed(fn, args, repeats: int = 3) -> dict:
 
 def column(name: str, fn, args, check, repeats: int = 3) -> dict:
     """One column: timings, temp, and ``check(out)`` (a dict); an error is recorded, not raised."""
+    print(f"column {name}", file=sys.stderr, flush=True)  # what a case that times out was doing
     try:
         row = timed(fn, args, repeats)
         out = row.pop("_out")
@@ -230,7 +231,7 @@ def case_transformer() -> dict:
     return {"case": "transformer", "shape": "4 blocks, width 256, sequence 16384, gradient", "rows": rows}
 
 
-# -- profiling the chunk shapes (``--cases knn_shapes,matvec_shapes``; not in the default run) -----
+# -- profiling (``--cases knn_shapes,matvec_shapes,policy``; not in the default run) ----------------
 
 def case_knn_shapes() -> dict:
     """kNN d = 3 at 100 MB steps written by hand along either axis, with and without unrolling."""
@@ -330,7 +331,69 @@ def case_matvec_shapes() -> dict:
     return {"case": "matvec_shapes", "shape": f"n={n}, 100 MB steps", "report": str(report)[-3000:], "rows": rows}
 
 
+def case_policy() -> dict:
+    """Steps per loop iteration (``SplitPass(accelerator_steps_per_iteration=...)``) on the kernel
+    mat-vec, its gradient and kNN at 100 MB steps; and the throughput of the products and triangular
+    solves one float64 SGPR step runs (m = 10,000, a 1 GB slice of 12,500 points)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    import hlopass
+    from fixtures.kernels import kernel_matvec
+    from fixtures.knn import knn_l2
+    from hlopass.passes.split import SplitPass
+
+    n = 100_000 if not QUICK else 1000
+    rng = np.random.default_rng(1)
+    x, y = (jax.device_put(rng.standard_normal((n, 3)).astype(np.float32)) for _ in range(2))
+    v = jax.device_put(rng.standard_normal((n,)).astype(np.float32))
+    grad = jax.grad(lambda x, y, v: jnp.sum(kernel_matvec(x, y, v)), argnums=(0, 1))
+    q = jax.device_put(rng.standard_normal((N_QUERIES, 3)).astype(np.float32))
+    p = jax.device_put(rng.standard_normal((N_POINTS, 3)).astype(np.float32))
+
+    def none(out):
+        return {}
+
+    def knn(q, p):
+        return knn_l2(q, p, K)
+
+    rows = [column("matvec_plain", jax.jit(kernel_matvec), (x, y, v), none),
+            column("matvec_grad_plain", jax.jit(grad), (x, y, v), none)]
+    for per in (1, 4, 16):
+        chosen = ["hvp", "adjoint", "algebraic", "matrix_chain", SplitPass(accelerator_steps_per_iteration=per), "remat"]
+        rows.append(column(f"matvec_100MB_x{per}", hlopass.jit(kernel_matvec, threshold="100MB", passes=chosen),
+                           (x, y, v), none))
+        rows.append(column(f"matvec_grad_100MB_x{per}", hlopass.jit(grad, threshold="100MB", passes=chosen),
+                           (x, y, v), none))
+        rows.append(column(f"knn3_100MB_x{per}", hlopass.jit(knn, threshold="100MB", passes=chosen), (q, p), none))
+        rows.append(column(f"knn3_x{per}", hlopass.jit(knn, passes=chosen), (q, p), none))
+    m, c = (10_000, 12_500) if not QUICK else (200, 300)
+    with jax.enable_x64(True):
+        a = jax.device_put(rng.standard_normal((m, c)))
+        spd = rng.standard_normal((m, m)) / np.sqrt(m)
+        low = jax.device_put(np.tril(spd) + 4 * np.eye(m))
+        sq = jax.device_put(spd)
+        kernels = {
+            "f64_gram_mxc_cxm": (jax.jit(lambda a: a @ a.T), (a,), 2 * m * m * c),
+            "f64_gemm_mxm_mxc": (jax.jit(lambda s, a: s @ a), (sq, a), 2 * m * m * c),
+            "f64_trsm_mxm_mxc": (jax.jit(lambda l, a: lax.linalg.triangular_solve(l, a, left_side=True, lower=True)),
+                                 (low, a), m * m * c),
+            "f64_trsm_transposed": (jax.jit(lambda l, a: lax.linalg.triangular_solve(
+                l, a, left_side=True, lower=True, transpose_a=True)), (low, a), m * m * c),
+        }
+        for name, (fn, args, flop) in kernels.items():
+            row = column(name, fn, args, none)
+            if row["status"] == "ok":
+                row["tflops"] = flop / row["median_s"] / 1e12
+            rows.append(row)
+    return {"case": "policy", "shape": f"n={n}; kNN {N_QUERIES}x{N_POINTS}; SGPR step m={m}, {c} points",
+            "rows": rows}
+
+
 def run_case(name: str) -> dict:
+    if name == "policy":
+        return case_policy()
     if name == "knn_shapes":
         return case_knn_shapes()
     if name == "matvec_shapes":
@@ -377,7 +440,7 @@ def print_case(result: dict) -> None:
             continue
         base = plain.get(r.get("quantity"))
         ratio = f"{base['median_s'] / r['median_s']:.2f}x plain" if base and r is not base else ""
-        extra = {k: r[k] for k in ("rows_wrong", "worst_kth_ratio", "max_rel_diff", "value") if k in r}
+        extra = {k: r[k] for k in ("rows_wrong", "worst_kth_ratio", "max_rel_diff", "value", "tflops") if k in r}
         temp = r.get("temp_bytes")
         print(f"   {r['column']:<15} {r.get('quantity', ''):<9} compile {r['compile_s']:6.2f} s  "
               f"call {r['median_s']:8.4f} s  temp {temp / 1e9 if temp is not None else float('nan'):8.3f} GB  "

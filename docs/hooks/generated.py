@@ -324,12 +324,15 @@ def bench_gpu() -> str:
             ok = r["status"] == "ok"
             ratio = f"{base['median_s'] / r['median_s']:.2f}" if ok and base and base is not r else ""
             exact = ("" if "rows_wrong" not in r else f"{r['rows_wrong']} of {r['rows_checked']} rows wrong")
-            rows.append([case["case"], r["column"], r.get("quantity", ""), _s(r.get("median_s")) if ok else "failed",
+            rows.append([case["case"], case.get("device", ""), r["column"], r.get("quantity", ""),
+                         _s(r.get("median_s")) if ok else "failed",
                          _bytes(r.get("temp_bytes")) if ok else r.get("error", "")[:60], ratio, exact])
         if "rows" not in case:
-            rows.append([case["case"], "", "", case.get("status", ""), case.get("error", "")[:60], "", ""])
+            rows.append([case["case"], case.get("device", ""), "", "", case.get("status", ""),
+                         case.get("error", "")[:60], "", ""])
     return (f"{data['device']}, JAX {data['jax']}: {data['what']}\n\n"
-            + _table(["case", "column", "quantity", "call (median)", "XLA temp", "x plain", "neighbours"], rows)
+            + _table(["case", "device", "column", "quantity", "call (median)", "XLA temp", "x plain", "neighbours"],
+                     rows)
             + _source("gpu.json"))
 
 

@@ -94,8 +94,10 @@ def run_capped(argv: list[str], cap_bytes: int | None, timeout: float = CHILD_TI
     try:
         done = subprocess.run(capped_command(argv, cap_bytes), capture_output=True, text=True, timeout=timeout,
                               env=child_env)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "error": f"no result after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as err:
+        said = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        last = " | ".join(said.strip().splitlines()[-3:])
+        return {"status": "timeout", "error": f"no result after {timeout:.0f} s" + (f"; last said: {last}" if last else "")}
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_MARKER):
             result = json.loads(line[len(RESULT_MARKER):])

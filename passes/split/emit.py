@@ -30,6 +30,7 @@ axis (nested loops).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -70,6 +71,9 @@ class LoopPlan:
     #: a step's product with a thin operand is bound as a multiply and a sum (accelerators, where
     #: XLA fuses it with the computation of the other operand)
     fuse_thin_dots: bool = False
+    #: steps per iteration of the emitted loop (``fori_loop``'s ``unroll``): fewer iterations, each
+    #: of which costs an accelerator a round trip to the host
+    steps_per_iteration: int = 1
 
     @functools.cached_property
     def carried(self) -> list:
@@ -149,6 +153,7 @@ class LoopPlan:
 
         env: dict = {}
         extras: dict = {}
+        merged: dict = {}   # results of products bound together with an earlier sibling
         new_carries: dict = {}
         entries: dict = {}  # online: the shift program's values, clamped, as the region reads them
         kinds = self.online.kinds if self.online is not None else {}
@@ -172,6 +177,16 @@ class LoopPlan:
                         if atom not in entries:
                             entries[atom] = clamp(env[atom])
                         invals[pos] = entries[atom]
+            if i in merged:   # bound with a sibling product of the same operand (below)
+                env.update(zip(eqn.outvars, [merged.pop(i)]))
+                continue
+            if i in self.sibling_thin_dots:
+                parts = self._sibling_operands(i, env, operand)
+                if parts is not None:
+                    results = _merged_thin_dots(*parts)
+                    env.update(zip(eqn.outvars, [results[0]]))
+                    merged.update(zip(self.sibling_thin_dots[i][1:], results[1:]))
+                    continue
             if i in scattered:
                 invals[0] = scattered[i]
             if i in self.region.scans and carries[i].dtype != eqn.outvars[0].aval.dtype:
@@ -239,6 +254,55 @@ class LoopPlan:
             index_pos = 0 if monoid != "top_k" else 1
             outs[index_pos] = outs[index_pos] + lax.convert_element_type(start, outs[index_pos].dtype)
         return outs, extra
+
+    @functools.cached_property
+    def sibling_thin_dots(self) -> dict[int, tuple[int, ...]]:
+        """Products of one large region value with thin operands, contracting the same dimensions of it
+        (a kernel row block times a vector and times the points: a gradient's two sums), by the first
+        of them. On an accelerator they are bound as one product with the thin operands side by side,
+        so the large value has one reader and XLA fuses it instead of storing it."""
+        if not self.fuse_thin_dots or self.online is not None:
+            return {}
+        groups: dict = collections.defaultdict(list)
+        for i in self.region.ordered():
+            eqn = self.jaxpr.eqns[i]
+            if eqn.primitive.name != "dot_general" or i in self.region.final or i in self.region.shift \
+                    or _is_low_float(eqn.outvars[0].aval.dtype):
+                continue
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars
+            if lb or rb or not isinstance(lhs, jx.Var) or not isinstance(rhs, jx.Var) or lhs == rhs:
+                continue
+            if fusible_dot(lhs.aval.shape, rhs.aval.shape, eqn.params["dimension_numbers"]) != "thin":
+                continue
+            lfree = math.prod(d for k, d in enumerate(lhs.aval.shape) if k not in lc)
+            rfree = math.prod(d for k, d in enumerate(rhs.aval.shape) if k not in rc)
+            large, contract = (lhs, tuple(lc)) if rfree <= lfree else (rhs, tuple(rc))
+            groups[(large, contract)].append(i)
+        return {members[0]: tuple(members) for members in groups.values() if len(members) > 1}
+
+    def _sibling_operands(self, first: int, env: dict, operand):
+        """``(large value, its contracting dimensions, [(thin operand, its contracting dimensions,
+        large on the left, result dtype)])`` for the group led by ``first``, or ``None`` when a thin
+        operand is computed later in the step."""
+        parts, large_value, large_contract = [], None, None
+        for i in self.sibling_thin_dots[first]:
+            eqn = self.jaxpr.eqns[i]
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars
+            lfree = math.prod(d for k, d in enumerate(lhs.aval.shape) if k not in lc)
+            rfree = math.prod(d for k, d in enumerate(rhs.aval.shape) if k not in rc)
+            on_left = rfree <= lfree
+            thin_pos, thin_var = (1, rhs) if on_left else (0, lhs)
+            if thin_var not in env and thin_var in self.region.var_axis:
+                return None
+            if large_value is None:
+                large_pos = 0 if on_left else 1
+                large_value = operand(i, large_pos, eqn.invars[large_pos])
+                large_contract = tuple(lc if on_left else rc)
+            parts.append((operand(i, thin_pos, thin_var), tuple(rc if on_left else lc), on_left,
+                          eqn.outvars[0].aval.dtype))
+        return large_value, large_contract, parts
 
     def step_function(self, size: int) -> Callable:
         """``f(start, *input values, *scattered results) -> step results`` for slices of ``size``,
@@ -354,7 +418,8 @@ class LoopPlan:
             for it in range(loop_from, full):
                 state = body(jnp.int32(it), state)
         elif full > loop_from:
-            state = lax.fori_loop(loop_from, full, body, state)
+            state = lax.fori_loop(loop_from, full, body, state,
+                                   unroll=max(1, min(self.steps_per_iteration, full - loop_from)))
         if remainder and not reverse:
             state = tail(state)
         if self.online is None:
@@ -471,21 +536,40 @@ THIN_DOT_ELEMENTS = 8
 THIN_DOT_MIN_OTHER = 2**20
 
 
+def fusible_dot(lshape, rshape, dimension_numbers) -> str | None:
+    """``"thin"`` for a product with a thin operand (a vector, a few columns) against a large one,
+    ``"short"`` for one with a short contraction and a large result, else ``None``: the products an
+    accelerator's step binds as elementwise work XLA fuses (:func:`_thin_dot_as_sum`)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    thin = lambda shape, free: math.prod(shape[d] for d in free) <= THIN_DOT_ELEMENTS  # noqa: E731
+    if (thin(rshape, rfree) and math.prod(lshape) >= THIN_DOT_MIN_OTHER) or \
+            (thin(lshape, lfree) and math.prod(rshape) >= THIN_DOT_MIN_OTHER):
+        return "thin"
+    if math.prod(lshape[d] for d in lc) <= THIN_DOT_ELEMENTS and \
+            math.prod(lshape[d] for d in (*lb, *lfree)) * math.prod(rshape[d] for d in rfree) >= THIN_DOT_MIN_OTHER:
+        return "short"
+    return None
+
+
 def _thin_dot_as_sum(invals, params):
     """``dot_general`` of a large operand with a thin one (a vector, a few columns) as a broadcast
     multiply and a sum over the contracting dimensions, or ``None`` when the product is not of that
     shape. Same value up to the order of additions; on a GPU XLA fuses the sum with the elementwise
-    work that computes the large operand, which a matrix-vector call cannot."""
+    work that computes the large operand, which a matrix-vector call cannot. A product with a short
+    contraction is bound as a few broadcast products instead (:func:`_short_dot_as_products`)."""
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     lhs, rhs = invals
     lshape, rshape = jnp.shape(lhs), jnp.shape(rhs)
     lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
-    thin = lambda shape, free: math.prod(shape[d] for d in free) <= THIN_DOT_ELEMENTS  # noqa: E731
-    if not (thin(rshape, rfree) and math.prod(lshape) >= THIN_DOT_MIN_OTHER) and \
-            not (thin(lshape, lfree) and math.prod(rshape) >= THIN_DOT_MIN_OTHER):
+    kind = fusible_dot(lshape, rshape, params["dimension_numbers"])
+    if kind is None:
         return None
     dtype = params.get("preferred_element_type") or jnp.result_type(lhs, rhs)
+    if kind == "short":
+        return _short_dot_as_products(lhs, rhs, (lc, rc), (lb, rb), lfree, rfree, dtype)
     nb, nl, nr, nc = len(lb), len(lfree), len(rfree), len(lc)
     # lhs as (batch, lhs free, contracting, 1 per rhs free); rhs as (batch, 1 per lhs free, contracting, rhs free)
     left = lax.transpose(lhs, (*lb, *lfree, *lc)).astype(dtype)
@@ -493,6 +577,53 @@ def _thin_dot_as_sum(invals, params):
     right = lax.transpose(rhs, (*rb, *rc, *rfree)).astype(dtype)
     right = lax.expand_dims(right, tuple(range(nb, nb + nl)))
     return jnp.sum(left * right, axis=tuple(range(nb + nl, nb + nl + nc)))
+
+
+def _merged_thin_dots(large, contract, parts) -> list:
+    """Products of ``large`` with each thin operand in ``parts`` (see
+    :meth:`LoopPlan.sibling_thin_dots`), computed as one broadcast multiply and sum over the thin
+    operands side by side, then taken apart."""
+    free = [d for d in range(jnp.ndim(large)) if d not in contract]
+    free_shape = tuple(jnp.shape(large)[d] for d in free)
+    dtype = jnp.result_type(*(dt for *_, dt in parts))
+    columns, shapes = [], []
+    for thin, thin_contract, _, _ in parts:
+        thin_free = [d for d in range(jnp.ndim(thin)) if d not in thin_contract]
+        shapes.append(tuple(jnp.shape(thin)[d] for d in thin_free))
+        laid = lax.transpose(thin, (*thin_contract, *thin_free))
+        columns.append(laid.reshape(*laid.shape[:len(thin_contract)], -1).astype(dtype))
+    side_by_side = jnp.concatenate(columns, axis=-1)                      # (contracting..., columns)
+    left = lax.expand_dims(lax.transpose(large, (*free, *contract)).astype(dtype), (len(free) + len(contract),))
+    total = jnp.sum(left * side_by_side, axis=tuple(range(len(free), len(free) + len(contract))))
+    results, offset = [], 0
+    for (_, _, on_left, out_dtype), shape in zip(parts, shapes):
+        width = math.prod(shape)
+        piece = total[..., offset:offset + width].reshape(*free_shape, *shape)
+        offset += width
+        if not on_left:  # the thin operand's free dimensions come first
+            nf, ns = len(free_shape), len(shape)
+            piece = lax.transpose(piece, (*range(nf, nf + ns), *range(nf)))
+        results.append(piece.astype(out_dtype))
+    return results
+
+
+def _short_dot_as_products(lhs, rhs, contracting, batch, lfree, rfree, dtype):
+    """A product with a short contraction (a few coordinates: the cross term of squared distances) as
+    that many broadcast products added up: elementwise work XLA fuses with what reads the result,
+    where a matrix multiplication with an inner dimension of three would write it out."""
+    (lc, rc), (lb, rb) = contracting, batch
+    nb, nl, nr = len(lb), len(lfree), len(rfree)
+    left = lax.transpose(lhs, (*lb, *lfree, *lc)).astype(dtype)
+    left = left.reshape(*left.shape[:nb + nl], -1)
+    left = lax.expand_dims(left, tuple(range(nb + nl, nb + nl + nr)))       # (batch, lfree, 1.., c)
+    right = lax.transpose(rhs, (*rb, *rfree, *rc)).astype(dtype)
+    right = right.reshape(*right.shape[:nb + nr], -1)
+    right = lax.expand_dims(right, tuple(range(nb, nb + nl)))               # (batch, 1.., rfree, c)
+    total = None
+    for k in range(left.shape[-1]):
+        term = left[..., k] * right[..., k]
+        total = term if total is None else total + term
+    return total
 
 
 def _bind_dot(eqn, invals, params) -> list:

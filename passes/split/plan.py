@@ -27,13 +27,13 @@ from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 from hlopass.report import PassReport, source_line
 
-from .emit import LoopPlan
+from .emit import LoopPlan, fusible_dot
 from .options import SplitOptions
 from .recompute import recompute_for_later_stages, staged_values
-from .region import Infeasible, SplitRegion, grow_region, seed_labels, seeds
+from .region import FUSIBLE_PRODUCERS, FUSING_CONSUMERS, Infeasible, SplitRegion, grow_region, seed_labels, seeds
 from .report import error_text, named_at
 from .shares import device_bytes, sharded_values
-from .unroll import unroll_short_reductions
+from .unroll import unroll_short_reductions, unrolled_lengths
 
 #: How a nested step's program is split again: the driver's ``split_level(closed, config, report, options)``.
 SplitLevel = Callable[[jx.ClosedJaxpr, Config, PassReport, SplitOptions], jx.ClosedJaxpr]
@@ -50,6 +50,7 @@ class Candidate:
     covered: int      # bytes of large values the region keeps out of memory
     survives: bool    # the split axis reaches the results (no accumulation)
     step_bytes: int   # the largest value of one iteration
+    per_iteration: int = 1  # steps per loop iteration (accelerators, where steps fuse)
 
     def key(self):
         # Fitting in one level first; among nested ones the smallest step; then what it covers.
@@ -64,11 +65,13 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
     plans: list[LoopPlan] = []
     failures: list[tuple[int, int, str]] = []  # (seed, blocking equation, reason)
     claimed: set[int] = set()
+    unrolled = unrolled_lengths(jaxpr, graph, options.unroll_max_length, options.unroll_min_elements) \
+        if _on_accelerator(options) and options.unroll_max_length else {}
     for seed in reversed(seeds(jaxpr, config.threshold)):  # the last reducer covers the longest chain
         if seed in claimed or eqn_key(jaxpr.eqns[seed]) in broken:
             continue
         try:
-            candidate, why = _best_candidate(jaxpr, graph, seed, config, options)
+            candidate, why = _best_candidate(jaxpr, graph, seed, config, options, unrolled)
         except Exception as err:  # noqa: BLE001 - a failure here stays with this region
             failures.append((seed, seed, f"planning failed: {error_text(err)}"))
             continue
@@ -82,7 +85,7 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
     return plans, failures
 
 
-def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions):
+def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions, unrolled: dict):
     best, why = None, (seed, seed, "no splittable axis on the large operand")
     for label in seed_labels(jaxpr, seed, config.threshold):
         try:
@@ -96,7 +99,7 @@ def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptio
                                f"{aval_str(sharded[0].aval)}: that axis is sharded across devices (its loop "
                                f"would gather the shards onto every device)")
             continue
-        candidate = _candidate(jaxpr, graph, region, config, options)
+        candidate = _candidate(jaxpr, graph, region, config, options, unrolled)
         if candidate is None:
             why = (seed, seed, "the large operand is not computed here (an input or a value needed elsewhere)")
             continue
@@ -122,7 +125,8 @@ def _sharded_split_axis(jaxpr, region: SplitRegion):
     return None
 
 
-def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: SplitOptions) -> Candidate | None:
+def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: SplitOptions,
+               unrolled: dict) -> Candidate | None:
     outputs = set(region.outputs(jaxpr, graph))
     share = device_bytes(jaxpr)  # the threshold and the split size bound one device's share
     covered = sum(share(v) for v in region.var_axis if v not in outputs and share(v) > config.split_size)
@@ -135,8 +139,8 @@ def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: Split
     per_unit = max(region.per_unit_bytes(jaxpr), 1)
     peak = max(region.peak_per_unit_bytes(jaxpr, graph), 1)
     fits = int(min(config.split_size // per_unit, options.live_budget * config.split_size // peak))
-    if _on_accelerator(options):
-        fits = int(config.split_size // per_unit)
+    if _on_accelerator(options):  # sized by the largest value a step builds (short reductions unrolled)
+        fits = int(config.split_size // max(region.per_unit_bytes(jaxpr, unrolled), 1))
     need = region.min_chunk(jaxpr)
     if fits >= region.size:
         return None
@@ -147,7 +151,38 @@ def _candidate(jaxpr, graph, region: SplitRegion, config: Config, options: Split
     chunk = need if nested else choose_chunk(region.size, fits, options.even_chunk_fraction)
     if chunk >= region.size:
         return None
-    return Candidate(region, chunk, nested, covered, survives=not region.reducing, step_bytes=chunk * per_unit)
+    per_iteration = 1
+    if _on_accelerator(options) and not nested:
+        stored = region.peak_per_unit_bytes(jaxpr, graph, fuses=_AcceleratorFusion) * chunk
+        per_iteration = max(1, min(options.accelerator_steps_per_iteration, config.split_size // max(stored, 1)))
+    return Candidate(region, chunk, nested, covered, survives=not region.reducing, step_bytes=chunk * per_unit,
+                     per_iteration=per_iteration)
+
+
+class _AcceleratorFusion:
+    """What an accelerator's XLA fuses in a step: elementwise work into the reductions and into the
+    products bound as elementwise work (thin and short ones, :func:`~.emit.fusible_dot`)."""
+
+    @staticmethod
+    def _dot_kind(eqn):
+        return fusible_dot(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape, eqn.params["dimension_numbers"])
+
+    @classmethod
+    def produces(cls, eqn) -> bool:
+        if eqn.primitive.name == "dot_general":
+            return cls._dot_kind(eqn) == "short"
+        return eqn.primitive.name in FUSIBLE_PRODUCERS
+
+    @classmethod
+    def consume_together(cls, eqns) -> bool:
+        """Readers bound as one product: thin products (:meth:`~.emit.LoopPlan.sibling_thin_dots`)."""
+        return all(e.primitive.name == "dot_general" and cls._dot_kind(e) == "thin" for e in eqns)
+
+    @classmethod
+    def consumes(cls, eqn) -> bool:
+        if eqn.primitive.name == "dot_general":
+            return cls._dot_kind(eqn) is not None
+        return eqn.primitive.name in FUSING_CONSUMERS
 
 
 def _on_accelerator(options: SplitOptions) -> bool:
@@ -190,7 +225,8 @@ def _plan(jaxpr, graph, candidate: Candidate, config: Config, report: PassReport
     region = candidate.region
     plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk,
                     candidate=candidate, grouped_top_k=options.grouped_top_k,
-                    fuse_thin_dots=_on_accelerator(options))
+                    fuse_thin_dots=_on_accelerator(options),
+                    steps_per_iteration=candidate.per_iteration)
     inner = dataclasses.replace(config, threshold=config.split_size)
 
     def refine(step: jx.ClosedJaxpr) -> jx.ClosedJaxpr:

@@ -31,12 +31,10 @@ from .rules import dim_map
 UNROLLABLE = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 
-def unroll_short_reductions(closed: jx.ClosedJaxpr, report: PassReport, max_length: int,
-                            min_elements: int) -> jx.ClosedJaxpr:
-    """``closed`` with its short last-axis reductions unrolled (``closed`` itself if none)."""
-    jaxpr = closed.jaxpr
-    graph = None
-    replacements, taken = [], set()
+def short_reductions(jaxpr: jx.Jaxpr, max_length: int, min_elements: int, graph: DataflowGraph | None = None):
+    """``(index, region, outputs)`` of each short last-axis reduction that can be unrolled: its operand's
+    region grown along that axis, which only reductions leave; regions do not overlap."""
+    found, taken = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in UNROLLABLE:
             continue
@@ -57,6 +55,26 @@ def unroll_short_reductions(closed: jx.ClosedJaxpr, report: PassReport, max_leng
         if region.eqns & taken or any(region.var_axis.get(v) is not None for v in outputs):
             continue  # only reductions leave the region (a NaN check beside a max is one of them)
         taken |= region.eqns
+        found.append((i, region, outputs))
+    return found
+
+
+def unrolled_lengths(jaxpr: jx.Jaxpr, graph: DataflowGraph, max_length: int, min_elements: int) -> dict:
+    """Values that unrolling would never build whole, each with the length of its unrolled axis (the
+    unrolled steps build slices of it one element long)."""
+    return {var: jaxpr.eqns[i].invars[0].aval.shape[-1]
+            for i, region, _ in short_reductions(jaxpr, max_length, min_elements, graph)
+            for var, axis in region.var_axis.items() if axis is not None}
+
+
+def unroll_short_reductions(closed: jx.ClosedJaxpr, report: PassReport, max_length: int,
+                            min_elements: int) -> jx.ClosedJaxpr:
+    """``closed`` with its short last-axis reductions unrolled (``closed`` itself if none)."""
+    jaxpr = closed.jaxpr
+    replacements = []
+    for i, region, outputs in short_reductions(jaxpr, max_length, min_elements):
+        eqn = jaxpr.eqns[i]
+        shape = eqn.invars[0].aval.shape
         plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), outputs, 1, unroll=True)
         replacements.append(Replacement(sorted(region.eqns), plan.input_vars, outputs, plan.build, anchor=i))
         summary = (f"{eqn.primitive.name} over a last axis of {shape[-1]} inside a split step: "
