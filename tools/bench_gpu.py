@@ -1,6 +1,6 @@
 """hlopass on one GPU against plain ``jax.jit`` and chunking by hand (the eXLA paper's GPU experiments).
 
-    python -m tools.bench_gpu [--cases knn3,knn100,...] [--json tools/results/gpu.json] [--quick]
+    python -m tools.bench_gpu [--cases knn3,knn100,...|all] [--json tools/results/gpu.json] [--quick]
 
 Cases (each in its own child process under a time limit, so one failure loses nothing else):
 
@@ -33,6 +33,9 @@ from tools import harness
 CASE_TIMEOUT_S = {"policy": 240, "sgpr10000": 240, "sgpr4000": 120, "matvec1e6": 100, "transformer": 100, "knn100": 240}
 DEFAULT_TIMEOUT_S = 75
 CASES = ("knn3", "knn100", "matvec1e5", "matvec1e6", "sgpr1000", "sgpr4000", "sgpr10000", "transformer")
+#: The default run, about 5 minutes on one H100: the long cases (knn100, whose plain jax.jit compiles for
+#: about 3 minutes; SGPR at m = 4,000 and 10,000, minutes each) run with ``--cases all`` or by name.
+SHORT = ("knn3", "matvec1e5", "matvec1e6", "sgpr1000", "transformer")
 N_POINTS, N_QUERIES, K = 1_000_000, 10_000, 10
 SGPR_N, SGPR_D = 2_049_280, 11
 TRANSFORMER_SEQ = 16_384
@@ -449,7 +452,8 @@ def print_case(result: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(SHORT),
+                        help=f"comma-separated, or 'all' ({', '.join(CASES)}); default: {', '.join(SHORT)}")
     parser.add_argument("--json", default=None, help="write the rows here (e.g. tools/results/gpu.json)")
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -459,8 +463,9 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args.child)
         return 0
+    names = list(CASES) if args.cases == "all" else args.cases.split(",")
     results = []
-    for name in harness.progress(args.cases.split(","), "bench_gpu"):
+    for name in harness.progress(names, "bench_gpu"):
         result = run_child(name)
         print_case(result)
         results.append(result)

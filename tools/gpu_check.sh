@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks as one prepared command, on a machine with a GPU and JAX (no network needed): the GPU
 # test subset, then the GPU benchmark. Logs and tools/results-style JSON go to ${OUT:-tools/results}.
-#   bash tools/gpu_check.sh [bench cases, comma-separated; default: every case]
+#   bash tools/gpu_check.sh [bench cases, comma-separated, or all; default: the short set, about 5 minutes]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}

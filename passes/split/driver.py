@@ -21,6 +21,7 @@ from hlopass.report import PassReport, Rewrite, source_line
 
 from .emit import LoopPlan
 from .fuse import fuse_shard_maps
+from .narrow import narrow_slices
 from .options import SplitOptions
 from .plan import eqn_key, harmonise_chunks, has_large_max, plan_round, recompute_where_it_helps
 from .region import seeds
@@ -111,7 +112,9 @@ def split_level(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
     current = inline_calls_holding_large(closed, config.threshold)
     if not seeds(current.jaxpr, config.threshold):
         return closed
-    changed = False
+    narrowed = narrow_slices(current, config, report)
+    changed = narrowed is not current
+    current = narrowed
     broken: set = set()
     chunks_of_dots: dict = {}   # the chunk of each product recomputed in a loop (harmonise_chunks)
     staging_tries = 2  # looking for two-pass values costs re-planning: twice per level at most

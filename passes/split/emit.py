@@ -233,6 +233,10 @@ class LoopPlan:
                 and (grouped := grouped_top_k(invals[0], eqn.params["k"], eqn.outvars[1].aval.dtype)) is not None:
             # (a step split again keeps its top_k whole: the inner loop merges it along its own axis)
             outs = grouped
+        elif eqn.primitive.name == "pad" and self.region.var_axis.get(eqn.outvars[0]) is not None and \
+                tuple(eqn.params["padding_config"][self.region.var_axis[eqn.outvars[0]]]) != (0, 0, 0):
+            outs = [pad_window(invals[0], invals[1], eqn.params["padding_config"],
+                               self.region.var_axis[eqn.outvars[0]], start, size)]
         elif eqn.primitive.name == "dot_general":
             if monoid == "add" and _is_low_float(eqn.outvars[0].aval.dtype):
                 # partial products stay in float32 until the end, as XLA accumulates one dot
@@ -534,6 +538,23 @@ class LoopPlan:
 THIN_DOT_ELEMENTS = 8
 #: ...and the product is bound as a sum only when the other operand is at least this large.
 THIN_DOT_MIN_OTHER = 2**20
+
+
+def pad_window(operand, padding_value, padding_config, axis: int, start, size: int):
+    """``lax.pad(operand, padding_value, padding_config)[start:start + size]`` along ``axis`` (padded
+    at its ends only), without building the padded whole: the step's positions are looked up in
+    the operand, those outside it take the padding value."""
+    low, _, _ = padding_config[axis]
+    length = jnp.shape(operand)[axis]
+    source = lax.convert_element_type(start, jnp.int32) + jnp.arange(size, dtype=jnp.int32) - low
+    inside = (source >= 0) & (source < length)
+    taken = jnp.take(operand, jnp.clip(source, 0, max(length - 1, 0)), axis=axis) if length else \
+        jnp.zeros((*jnp.shape(operand)[:axis], size, *jnp.shape(operand)[axis + 1:]), jnp.result_type(operand))
+    shape = [1] * jnp.ndim(operand)
+    shape[axis] = size
+    window = jnp.where(inside.reshape(shape), taken, padding_value.astype(taken.dtype))
+    rest = [(0, 0, 0) if d == axis else tuple(cfg) for d, cfg in enumerate(padding_config)]
+    return lax.pad(window, padding_value.astype(window.dtype), rest) if any(c != (0, 0, 0) for c in rest) else window
 
 
 def fusible_dot(lshape, rshape, dimension_numbers) -> str | None:

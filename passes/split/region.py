@@ -409,15 +409,16 @@ def _reachable(starts, step) -> set[int]:
     return seen
 
 
-def grow_region(jaxpr: jx.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int) -> SplitRegion:
+def grow_region(jaxpr: jx.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int,
+                whole: frozenset[int] = frozenset()) -> SplitRegion:
     """The region grown from ``seed`` along ``label``; raises :class:`Infeasible`.
 
     A cumulative op whose result is also read outside the region is computed once, whole, and read
     by the region as an input: recomputed in the loop, its running total would round otherwise than
     the whole op that the outside readers see, and a softmax normalised by one and exponentiated
-    from the other is no longer normalised (fresh seed r73655148886).
+    from the other is no longer normalised (fresh seed r73655148886). Equations in ``whole`` are
+    computed once outside the region too.
     """
-    whole: frozenset[int] = frozenset()
     while True:
         region = _Grower(jaxpr, graph, split_size, whole).grow(seed, label)
         shared = {i for i in region.scans if i != seed and any(

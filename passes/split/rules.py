@@ -193,9 +193,12 @@ def _concatenate(eqn) -> DimMap:
 
 
 def _pad(eqn) -> DimMap:
+    """An unpadded dimension runs through; a dimension padded at its ends only (a slice's cotangent)
+    is split in the result alone, each step reading the whole operand (:func:`.emit.pad_window`)."""
     config = eqn.params["padding_config"]
-    labels = [d if tuple(cfg) == (0, 0, 0) else None for d, cfg in enumerate(config)]
-    return DimMap([labels, []], [labels])
+    ins = [d if tuple(cfg) == (0, 0, 0) else None for d, cfg in enumerate(config)]
+    outs = [d if cfg[2] == 0 else None for d, cfg in enumerate(config)]
+    return DimMap([ins, []], [outs])
 
 
 def _slice(eqn) -> DimMap:

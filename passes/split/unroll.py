@@ -29,12 +29,14 @@ from .region import Infeasible, grow_region
 from .rules import dim_map
 
 UNROLLABLE = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+SLICING = ("dynamic_slice", "slice", "gather")
 
 
 def short_reductions(jaxpr: jx.Jaxpr, max_length: int, min_elements: int, graph: DataflowGraph | None = None):
     """``(index, region, outputs)`` of each short last-axis reduction that can be unrolled: its operand's
     region grown along that axis, which only reductions leave; regions do not overlap."""
     found, taken = [], set()
+    slicing = frozenset(i for i, eqn in enumerate(jaxpr.eqns) if eqn.primitive.name in SLICING)
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in UNROLLABLE:
             continue
@@ -47,8 +49,8 @@ def short_reductions(jaxpr: jx.Jaxpr, max_length: int, min_elements: int, graph:
         if dm is None:
             continue
         graph = graph or DataflowGraph(jaxpr)
-        try:
-            region = grow_region(jaxpr, graph, i, dm.ins[0][-1], 0)
+        try:  # a step's slices of its inputs stay whole: unrolled, they would slice the whole input
+            region = grow_region(jaxpr, graph, i, dm.ins[0][-1], 0, whole=slicing)
         except Infeasible:
             continue
         outputs = region.outputs(jaxpr, graph)
