@@ -185,23 +185,22 @@ def inline_calls(closed: jx.ClosedJaxpr, primitives: Collection[str] = PLAIN_CAL
 def rewrite_nested(closed: jx.ClosedJaxpr, level: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) -> jx.ClosedJaxpr:
     """Apply ``level`` to every sub-jaxpr (innermost first), then to ``closed`` itself.
 
-    ``level`` returns its argument unchanged (the same object) when it has nothing to do.
+    ``level`` returns its argument unchanged (the same object) when it has nothing to do. The
+    sub-jaxprs are rewritten first, and ``closed`` is re-traced with them only when one changed:
+    a program whose sub-jaxprs ``level`` leaves alone costs no re-trace.
     """
-    def rule(eqn, invals):
-        params = map_subjaxprs(eqn, lambda sub: rewrite_nested(sub, level))
-        return None if params is None else bind_equation(eqn, invals, params)
-
+    new_params: dict[int, dict] = {}
+    for eqn in closed.jaxpr.eqns:
+        if has_subjaxprs(eqn):
+            params = map_subjaxprs(eqn, lambda sub: rewrite_nested(sub, level))
+            if params is not None:
+                new_params[id(eqn)] = params
     inner = closed
-    if any(has_subjaxprs(eqn) for eqn in closed.jaxpr.eqns):
-        changed = []
-
-        def tracking_rule(eqn, invals):
-            out = rule(eqn, invals)
-            if out is not None:
-                changed.append(eqn)
-            return out
-        candidate = rewrite(closed, eqn_rule=tracking_rule)
-        inner = candidate if changed else closed
+    if new_params:
+        def rule(eqn, invals):
+            params = new_params.get(id(eqn))
+            return None if params is None else bind_equation(eqn, invals, params)
+        inner = rewrite(closed, eqn_rule=rule)
     return level(inner)
 
 
