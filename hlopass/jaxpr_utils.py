@@ -162,6 +162,24 @@ def largest_values(closed, limit: int = 5) -> list[tuple[str, int, str]]:
     return _described(heapq.nlargest(limit, (row for row in sized if row[0]), key=lambda row: row[0]))
 
 
+def largest_value_bytes(closed) -> int:
+    """The bytes of the largest value anywhere in ``closed``: its inputs and constants, every
+    equation's results, and the same in every sub-jaxpr (loop, branch and call bodies; not nested
+    ``hlopass_call`` programs, which are checked on their own). One walk over the avals."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    largest = max((aval_nbytes(v.aval) for v in (*jaxpr.invars, *jaxpr.constvars)), default=0)
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            n = aval_nbytes(v.aval)
+            if n > largest:
+                largest = n
+        for sub in subjaxprs(eqn):
+            n = largest_value_bytes(sub)
+            if n > largest:
+                largest = n
+    return largest
+
+
 def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int, str]]:
     """Values defined inside ``closed`` (recursively; its inputs and outputs aside) larger than
     ``threshold`` bytes, largest first, as (type, bytes, primitive at source line)."""

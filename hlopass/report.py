@@ -69,6 +69,9 @@ class PassReport:
     rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
     skipped: list[Skip] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    #: ``False`` when the pipeline did not run the pass: it said it could not change the program
+    #: (:meth:`~hlopass.pass_base.Pass.applies`); notes made while tracing are still here
+    ran: bool = True
 
     def rewrite(self, kind: str, eqn_or_location, summary: str, **details) -> Rewrite:
         """Record a rewrite anchored at an equation (or a location string)."""
@@ -170,7 +173,8 @@ class PipelineReport:
         lines = [f"hlopass report for {self.label}", f"  {self.config_line}",
                  f"  equations: {self.equations_before} -> {self.equations_after}"]
         for p in self.passes:
-            lines.append(f"  pass {p.name}: {len(p.rewrites)} rewrite(s), {len(p.skipped)} skipped, {p.seconds * 1e3:.1f} ms")
+            ran = f"{p.seconds * 1e3:.1f} ms" if p.ran else "not run (nothing for it to do)"
+            lines.append(f"  pass {p.name}: {len(p.rewrites)} rewrite(s), {len(p.skipped)} skipped, {ran}")
             lines.extend(f"    - {r.location}: {r.summary}" for r in p.rewrites)
             lines.extend(f"    ~ {s.location}: left {s.primitive} alone: {s.reason}" for s in p.skipped)
         for title, rows in (("largest tensors before", self.largest_before), ("largest tensors after", self.largest_after)):

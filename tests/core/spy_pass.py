@@ -1,0 +1,31 @@
+"""Test-only passes for the pipeline's gates: each counts its runs in :data:`RUNS` and changes nothing."""
+
+import collections
+
+from hlopass.pass_base import Pass
+from hlopass.registry import register_pass
+from hlopass.report import PassReport
+
+#: pass name -> how many times the pipeline ran it (in this process)
+RUNS: collections.Counter = collections.Counter()
+
+
+@register_pass
+class SpyPass(Pass):
+    """Always applies (the default gate); changes nothing."""
+
+    name = "test_spy"
+
+    def run(self, closed, config):
+        RUNS[self.name] += 1
+        return closed, PassReport(self.name)
+
+
+@register_pass
+class SizeGatedSpyPass(SpyPass):
+    """Applies only where a value is over the threshold."""
+
+    name = "test_spy_gated"
+
+    def applies(self, closed, config, facts):
+        return facts.above(config.threshold)
