@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import jax
 from hlopass import internals as jx
 
+from hlopass import program_cache
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
 from hlopass.jaxpr_utils import count_equations, largest_values, values_above
@@ -62,6 +63,8 @@ class PipelineResult:
         self.check = None
         self.settled = False
         self.warned = False
+        #: the name of this program's entry in the persistent cache (:mod:`hlopass.program_cache`)
+        self.cache_key: str | None = None
 
     @property
     def original(self) -> jx.ClosedJaxpr:
@@ -112,7 +115,7 @@ def run_pipeline(closed: jx.ClosedJaxpr, config: Config, label: str = "function"
         per_jaxpr = {}
     key = (config, tuple(notes), input_shards())
     if key not in per_jaxpr:
-        per_jaxpr[key] = _run(closed, config, label, notes)
+        per_jaxpr[key] = _run(closed, config, label, notes, key[2])
     return per_jaxpr[key]
 
 
@@ -136,7 +139,7 @@ def _check_enabled() -> bool:
     return os.environ.get(ENV_CHECK, "") not in ("", "0") or bool(jax.config.jax_enable_checks)
 
 
-def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note]) -> PipelineResult:
+def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note], shards=None) -> PipelineResult:
     report = PipelineReport(label=label, config_line=config.describe(),
                             equations_before=count_equations(closed))
     if not config.passes:
@@ -153,14 +156,23 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
         logger.debug("hlopass: %s: no pass applies (largest value %s); compiled as written", label,
                      format_size(facts.largest_bytes))
         return PipelineResult(closed, None, report, config)
+    cache_key = program_cache.key(closed, config, tuple(notes), shards)
+    cached = program_cache.load(cache_key)
+    if cached is not None:  # an earlier process found nothing to rewrite, or kept the program as written
+        cached.label = label
+        logger.debug("hlopass: %s: the passes' decision read from the persistent cache", label)
+        return PipelineResult(closed, None, cached, config)
     current, rewrote = _run_passes(closed, config, label, notes, passes, facts, report)
     if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
         report.equations_after = report.equations_before
         report.largest_after = report.largest_before
+        program_cache.store(cache_key, report)
         return PipelineResult(closed, None, report, config)
     report.equations_after = count_equations(current)
     report.largest_after = largest_values(current)
-    return PipelineResult(closed, current, report, config)
+    result = PipelineResult(closed, current, report, config)
+    result.cache_key = cache_key  # never_worse.decide stores it when XLA's figures keep the original
+    return result
 
 
 def _run_passes(closed, config, label, notes, passes, facts, report) -> tuple[jx.ClosedJaxpr, bool]:

@@ -1,4 +1,5 @@
-"""Test-only passes for the pipeline's gates: each counts its runs in :data:`RUNS` and changes nothing."""
+"""Test-only passes for the pipeline's gates and the persistent cache: each counts its runs in
+:data:`RUNS` and changes nothing."""
 
 import collections
 

@@ -1,7 +1,12 @@
 """Issue 27, compile in seconds: the pipeline's gates (a program with nothing to do goes to XLA as
-written, no pass run)."""
+written, no pass run) and the persistent cache of its decisions (a second process skips the passes)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +14,22 @@ import numpy as np
 import pytest
 
 import hlopass
-from hlopass import pipeline
+from hlopass import pipeline, program_cache
 from hlopass.jaxpr_utils import largest_value_bytes
 from hlopass.pass_base import ProgramFacts
+from tests.core import spy_pass
 from tests.core.spy_pass import RUNS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def small(x, y):
     return jnp.sum(jnp.tanh(x @ y.T), 1)
+
+
+def make_small():
+    """A fresh function object (a fresh trace, the same source lines) each call."""
+    return lambda x, y: jnp.sum(jnp.tanh(x @ y.T), 1)
 
 
 def args():
@@ -77,3 +90,69 @@ def test_facts_read_every_value_sub_programs_and_inputs_included():
     assert ProgramFacts(big_input).largest_bytes == 40_000
     facts = ProgramFacts(closed)
     assert facts.above(1_000_000) and not facts.above(None) and not facts.over(None)
+
+
+# -- a second process pays nothing extra -------------------------------------------------------------
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_cache_entry_skips_the_passes(cache_dir):
+    first = hlopass.jit(make_small(), passes="test_spy").trace(*args()).report
+    assert RUNS["test_spy"] == 1 and not first.from_cache
+    assert len(os.listdir(cache_dir / "hlopass")) == 1
+    second = hlopass.jit(make_small(), passes="test_spy").trace(*args()).report
+    assert RUNS["test_spy"] == 1, "the second trace ran the pass despite the entry"
+    assert second.from_cache and [p.ran for p in second.passes] == [False]
+    assert "persistent cache" in str(second)
+    hlopass.jit(make_small(), passes="test_spy", threshold="1kB").trace(*args()).report  # noqa: B018 - another key
+    assert RUNS["test_spy"] == 2
+
+
+def test_rewritten_programs_are_not_stored(cache_dir):
+    def rewritten():
+        return lambda x, y: jnp.sum(jnp.exp(x[:, None, :] - y[None, :, :]), (1, 2))
+    report = hlopass.jit(rewritten(), passes="split", threshold="10kB").trace(*args()).report
+    assert report.rewrites and not os.path.exists(cache_dir / "hlopass")
+    again = hlopass.jit(rewritten(), passes="split", threshold="10kB").trace(*args()).report
+    assert again.rewrites and not again.from_cache
+
+
+def test_no_cache_without_jax_cache_dir():
+    assert jax.config.jax_compilation_cache_dir in (None, "")
+    assert program_cache.cache_dir() is None
+    closed = jax.make_jaxpr(small)(*args())
+    assert program_cache.key(closed, hlopass.jit(small).config(), (), None) is None
+
+
+def _child(cache: str, passes: str = "test_spy", threshold: str = "1GB") -> dict:
+    done = subprocess.run([sys.executable, "-m", "tests.core.cache_child", cache, passes, threshold], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    assert rows, done.stderr[-3000:]
+    return json.loads(rows[-1][4:])
+
+
+@pytest.mark.slow
+def test_second_process_skips_the_passes(tmp_path):
+    first = _child(str(tmp_path))
+    assert first["runs"] == {"test_spy": 1} and len(first["entries"]) == 1
+    second = _child(str(tmp_path))
+    assert second["runs"] == {}, "the second process ran the pass"
+    assert second["entries"] == first["entries"]
+    for row in (first, second):
+        assert row["out"] == row["expected"]
+    third = _child(str(tmp_path), threshold="1MB")  # other settings: the pass runs, a second entry
+    assert third["runs"] == {"test_spy": 1} and len(third["entries"]) == 2
+
+
+def test_spy_module_registers_its_passes():
+    assert {"test_spy", "test_spy_gated"} <= set(hlopass.available_passes())
+    assert spy_pass.SpyPass.name == "test_spy"
