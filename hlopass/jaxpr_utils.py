@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import Any, Callable, Iterator, Sequence
@@ -9,6 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from hlopass import internals as jx
 
+from hlopass import progress
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE, OWN_PROGRAMS
 from hlopass.sharding import body_context
 
@@ -83,7 +85,7 @@ def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) ->
     changed = False
 
     def in_context(closed):
-        with body_context(eqn):
+        with body_context(eqn), progress.at(functools.partial(_describe_body, eqn)):
             return transform(closed)
 
     def visit(key, value):
@@ -107,6 +109,12 @@ def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) ->
 
     params = {key: visit(key, value) for key, value in eqn.params.items()}
     return params if changed else None
+
+
+def _describe_body(eqn) -> str:
+    """``inside scan at model.py:12 (f)``: the sub-program a pass works on, for progress lines."""
+    from hlopass.report import source_line
+    return f"inside {eqn.primitive.name} at {source_line(eqn)}"
 
 
 def call_body(eqn) -> jx.ClosedJaxpr | None:

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 import jax
 from hlopass import internals as jx
 
-from hlopass import program_cache
+from hlopass import program_cache, progress
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
 from hlopass.jaxpr_utils import count_equations, largest_values, values_above
@@ -162,7 +162,8 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
         cached.label = label
         logger.debug("hlopass: %s: the passes' decision read from the persistent cache", label)
         return PipelineResult(closed, None, cached, config)
-    current, rewrote = _run_passes(closed, config, label, notes, passes, facts, report)
+    with progress.program(label, [p.name for p in passes]) as work:
+        current, rewrote = _run_passes(closed, config, label, notes, passes, facts, report, work)
     if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
         report.equations_after = report.equations_before
         report.largest_after = report.largest_before
@@ -175,16 +176,17 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
     return result
 
 
-def _run_passes(closed, config, label, notes, passes, facts, report) -> tuple[jx.ClosedJaxpr, bool]:
+def _run_passes(closed, config, label, notes, passes, facts, report, work) -> tuple[jx.ClosedJaxpr, bool]:
     """Inline calls, run each pass that applies; the program and whether a pass rewrote it."""
     current = inline_calls(closed)
     rewrote = False
-    for pass_ in passes:
+    for index, pass_ in enumerate(passes):
         if current is not facts.closed:
             facts = ProgramFacts(current)
         if not _applies(pass_, current, config, facts):
             report.passes.append(_not_run(pass_, notes))
             continue
+        work.start_pass(index)
         start = time.perf_counter()
         try:
             new, pass_report = pass_.run(current, config)

@@ -1,8 +1,10 @@
-"""Test-only passes for the pipeline's gates and the persistent cache: each counts its runs in
-:data:`RUNS` and changes nothing."""
+"""Test-only passes for the pipeline's gates, its progress lines and the persistent cache: each
+counts its runs in :data:`RUNS` and changes nothing."""
 
 import collections
+import time
 
+from hlopass import progress
 from hlopass.pass_base import Pass
 from hlopass.registry import register_pass
 from hlopass.report import PassReport
@@ -30,3 +32,17 @@ class SizeGatedSpyPass(SpyPass):
 
     def applies(self, closed, config, facts):
         return facts.above(config.threshold)
+
+
+@register_pass
+class SlowPass(SpyPass):
+    """Works for :attr:`seconds` on a named region."""
+
+    name = "test_slow"
+    seconds = 0.6
+
+    def run(self, closed, config):
+        RUNS[self.name] += 1
+        with progress.at("the test's region"):
+            time.sleep(self.seconds)
+        return closed, PassReport(self.name)

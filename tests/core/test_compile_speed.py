@@ -1,9 +1,11 @@
 """Issue 27, compile in seconds: the pipeline's gates (a program with nothing to do goes to XLA as
-written, no pass run) and the persistent cache of its decisions (a second process skips the passes)."""
+written, no pass run), the persistent cache of its decisions (a second process skips the passes)
+and the progress lines of long pass work."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 import hlopass
-from hlopass import pipeline, program_cache
+from hlopass import pipeline, program_cache, progress
 from hlopass.jaxpr_utils import largest_value_bytes
 from hlopass.pass_base import ProgramFacts
 from tests.core import spy_pass
@@ -153,6 +155,42 @@ def test_second_process_skips_the_passes(tmp_path):
     assert third["runs"] == {"test_spy": 1} and len(third["entries"]) == 2
 
 
+# -- long work shows progress ------------------------------------------------------------------------
+
+def test_progress_lines_name_the_pass_and_region(monkeypatch, caplog):
+    monkeypatch.setattr(progress, "AFTER_S", 0.1)
+    monkeypatch.setattr(progress, "EVERY_S", 60.0)
+    with caplog.at_level(logging.INFO, logger="hlopass"):
+        hlopass.jit(small, passes="test_spy,test_slow").trace(*args()).report  # noqa: B018
+    lines = [r.getMessage() for r in caplog.records if r.name == "hlopass" and r.levelno == logging.INFO]
+    running = [line for line in lines if "running for" in line]
+    assert len(running) == 1, lines
+    assert "pass test_slow (2 of 2)" in running[0] and "at the test's region" in running[0]
+    assert any("the passes took" in line and "test_slow" in line for line in lines), lines
+
+
+def test_quick_passes_say_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="hlopass"):
+        hlopass.jit(small, passes="test_spy").trace(*args()).report  # noqa: B018
+    assert not [r for r in caplog.records if "running for" in r.getMessage() or "passes took" in r.getMessage()]
+
+
+def test_regions_named_by_the_engine():
+    seen = []
+
+    def listener(work, event):
+        seen.append((event, work.current_pass, work.region()))
+    progress.listeners.append(listener)
+    try:
+        fn = lambda x, y: jnp.sum(jnp.exp(x[:, None, :] - y[None, :, :]), (1, 2))  # noqa: E731
+        hlopass.jit(fn, passes="split", threshold="10kB").trace(*args()).report  # noqa: B018
+    finally:
+        progress.listeners.remove(listener)
+    assert seen[0][0] == "program" and seen[-1][0] == "done"
+    regions = [r for e, p, r in seen if e == "region" and p == "split"]
+    assert any(r.startswith("rewriting 1 region (at test_compile_speed.py:") for r in regions), seen
+
+
 def test_spy_module_registers_its_passes():
-    assert {"test_spy", "test_spy_gated"} <= set(hlopass.available_passes())
-    assert spy_pass.SpyPass.name == "test_spy"
+    assert {"test_spy", "test_spy_gated", "test_slow"} <= set(hlopass.available_passes())
+    assert spy_pass.SlowPass.seconds > 0.1
