@@ -13,8 +13,10 @@ fresh function object (``first_call_s``: trace + passes + lower + compile + run,
 child does), then, for a breakdown, the stages of a fresh instance one by one: tracing (``f.trace``),
 the passes (each pass's own time from the report), lowering (``.lower`` after tracing, which
 includes the never-worse comparison's compiles when it makes one) and XLA's compile. With
-``--repeat N`` each column runs in N children and the median first call is reported (the machine
-may be shared). hlopass's modules are compiled to bytecode first, as an install does (so that
+``--repeat N`` each column runs in N children, the columns interleaved round by round, and the
+median first call is reported (the machine may be shared); ``--baseline DIR`` runs the hlopass
+columns of another checkout (an earlier commit's worktree) in the same rounds, for before/after
+figures under the same load. hlopass's modules are compiled to bytecode first, as an install does (so that
 ``PYTHONDONTWRITEBYTECODE`` does not charge their compilation to the first call); each line says whether issue 27's bound holds (nothing set: 1.1x plain + 0.2 s;
 forced: 2x; cached: 1.2x plain's cached). The libraries (flax, optax, numpyro, ott-jax, jax-md,
 tinygp) are the ``compile-bench`` extra: ``bash tools/setup.sh compile-bench``; a program whose
@@ -275,9 +277,9 @@ def measure(name: str, column: str) -> dict:
     fn, args = PROGRAMS[name]()
     jax.block_until_ready(args)
     f = _jitted(column, fn, args)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(f(*args))
-    result = {"first_call_s": time.perf_counter() - start}
+    result = {"first_call_s": time.perf_counter() - start, "first_call_cpu_s": time.process_time() - cpu}
     if column.endswith("_cached"):
         return result
     fn, args = PROGRAMS[name]()
@@ -292,8 +294,12 @@ def measure(name: str, column: str) -> dict:
     return result
 
 
-def run_child(name: str, column: str, env: dict | None = None) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(name: str, column: str, env: dict | None = None, root: str = ROOT) -> dict:
+    """One child: ``python -m tools.bench_compile --child NAME:COLUMN`` in ``root`` (whose hlopass it
+    imports: the checkout to measure)."""
     try:
         done = subprocess.run([sys.executable, "-m", "tools.bench_compile", "--child", f"{name}:{column}"],
                               cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S,
@@ -307,30 +313,45 @@ def run_child(name: str, column: str, env: dict | None = None) -> dict:
     return {"status": "failed: " + " | ".join(tail)}
 
 
-def run_column(name: str, column: str, repeat: int) -> dict:
-    """``repeat`` children of one column; the run with the median first call, with every first call
-    listed (``first_calls_s``). A ``*_cached`` column's children each get a fresh persistent cache,
+def run_once(name: str, column: str, root: str = ROOT) -> dict:
+    """One timed child of a column; a ``*_cached`` column's child gets a fresh persistent cache,
     filled by a child of the uncached column first (not timed)."""
-    runs = []
+    if not column.endswith("_cached"):
+        return run_child(name, column, root=root)
+    cache = tempfile.mkdtemp(prefix="bench_compile_cache_")
+    env = {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    try:
+        filled = run_child(name, column.removesuffix("_cached"), env, root)
+        return filled if "first_call_s" not in filled else run_child(name, column, env, root)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def run_program(name: str, columns: list[str], repeat: int, baseline: str | None) -> dict:
+    """Every column of one program, ``repeat`` rounds, the columns interleaved within each round (so
+    a shared machine's load hits them alike); with a ``baseline`` checkout its hlopass columns run
+    in the same rounds (``baseline:nothing``...). Per column: the run with the median first call,
+    and every first call (``first_calls_s``)."""
+    keys = [(c, ROOT) for c in columns]
+    if baseline:
+        keys += [(c, baseline) for c in columns if not c.startswith("plain")]
+    runs: dict = {key: [] for key in keys}
     for _ in range(repeat):
-        env = None
-        if column.endswith("_cached"):
-            cache = tempfile.mkdtemp(prefix="bench_compile_cache_")
-            env = {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-            filled = run_child(name, column.removesuffix("_cached"), env)
-            if "first_call_s" not in filled:
-                shutil.rmtree(cache, ignore_errors=True)
-                return filled
-        runs.append(run_child(name, column, env))
-        if env is not None:
-            shutil.rmtree(env["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-        if "first_call_s" not in runs[-1]:
-            return runs[-1]
-    runs.sort(key=lambda r: r["first_call_s"])
-    chosen = dict(runs[len(runs) // 2])
-    chosen["first_calls_s"] = [round(r["first_call_s"], 3) for r in runs]
-    return chosen
+        for column, root in keys:
+            if runs[(column, root)] and "first_call_s" not in runs[(column, root)][-1]:
+                continue
+            runs[(column, root)].append(run_once(name, column, root))
+    row = {}
+    for (column, root), got in runs.items():
+        name_ = column if root == ROOT else f"baseline:{column}"
+        if "first_call_s" not in got[-1]:
+            row[name_] = got[-1]
+            continue
+        got.sort(key=lambda r: r["first_call_s"])
+        row[name_] = dict(got[len(got) // 2], first_calls_s=[round(r["first_call_s"], 3) for r in got],
+                          first_call_cpu_s_median=sorted(r.get("first_call_cpu_s", 0.0) for r in got)[len(got) // 2])
+    return row
 
 
 def _acceptance(column: str, value: float, plain: float) -> str:
@@ -355,6 +376,9 @@ def main(argv=None) -> int:
     parser.add_argument("--columns", default="plain,nothing,forced",
                         help=f"comma-separated, of {', '.join(COLUMNS)}")
     parser.add_argument("--repeat", type=int, default=1, help="children per column; the median is reported")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="a checkout of hlopass to compare with (a git worktree of an earlier commit, with "
+                             "this file in its tools/): its hlopass columns run interleaved with these")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -370,10 +394,11 @@ def main(argv=None) -> int:
     rows = []
     for name in harness.progress(args.programs.split(","), "programs"):
         row = {"program": name, "doc": PROGRAMS[name].__doc__.split("\n")[0]}
-        row.update((column, run_column(name, column, args.repeat)) for column in columns)
+        row.update(run_program(name, columns, args.repeat, args.baseline and os.path.abspath(args.baseline)))
         rows.append(row)
         cells = []
-        for column in columns:
+        shown = columns + [f"baseline:{c}" for c in columns if args.baseline and not c.startswith("plain")]
+        for column in shown:
             col = row[column]
             if "first_call_s" not in col:
                 cells.append(f"{column}: {col.get('status')}")
@@ -382,14 +407,15 @@ def main(argv=None) -> int:
             base = row.get("plain_cached" if column.endswith("_cached") else "plain", {}).get("first_call_s")
             if base and not column.startswith("plain"):
                 col["ratio_first_call"] = col["first_call_s"] / base
-                verdict = _acceptance(column, col["first_call_s"], base)
+                verdict = _acceptance(column.removeprefix("baseline:"), col["first_call_s"], base)
                 text += f" ({col['ratio_first_call']:.2f}x{', ' + verdict if verdict else ''})"
             if col.get("passes_s"):
                 slowest = sorted(col["passes_s"].items(), key=lambda kv: -kv[1])[:2]
                 text += " [" + ", ".join(f"{k} {v:.2f} s" for k, v in slowest) + f"; {col['rewrites']} rewrites]"
             cells.append(text)
         print(f"{name:<24} " + " | ".join(cells), flush=True)
-        harness.write_json(args.json, {"columns": columns, "repeat": args.repeat, "rows": rows}, indent=1)
+        harness.write_json(args.json, {"columns": columns, "repeat": args.repeat, "baseline": args.baseline,
+                                       "rows": rows}, indent=1)
     return 0
 
 
