@@ -10,14 +10,18 @@ in their place. ``jax.make_jaxpr`` of that interpreter is the new jaxpr.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Collection, Sequence
 
 import networkx as nx
 from hlopass import internals as jx
 
+from hlopass import progress
 from hlopass.families import CALLS, REMAT
 from hlopass.jaxpr_utils import call_body, dce, has_subjaxprs, iter_eqns, map_subjaxprs, trace_flat
+from hlopass.report import source_line
 
 #: What :func:`inline_calls` inlines: plain calls and ``checkpoint`` bodies (which only matter
 #: across a forward/backward boundary, and hlopass programs have none once JAX split them into calls).
@@ -144,8 +148,20 @@ def rewrite(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement] = (),
     def interpret(*args):
         return evaluate(closed.jaxpr, closed.consts, args, replacements, eqn_rule)
 
-    new = trace_flat(interpret, in_avals, name)
+    region = progress.at(functools.partial(_describe_replacements, closed.jaxpr, replacements)) \
+        if replacements else contextlib.nullcontext()
+    with region:
+        new = trace_flat(interpret, in_avals, name)
     return dce(new)
+
+
+def _describe_replacements(jaxpr: jx.Jaxpr, replacements: Sequence[Replacement]) -> str:
+    """``3 regions (the first at model.py:12 (f))``: what a rewrite is building, for progress lines."""
+    first = replacements[0]
+    anchor = first.anchor if first.anchor is not None else max(first.eqns, default=None)
+    where = source_line(jaxpr.eqns[anchor]) if anchor is not None else "<unknown>"
+    count = len(replacements)
+    return f"rewriting {count} region{'s' if count > 1 else ''} ({'the first ' if count > 1 else ''}at {where})"
 
 
 def inline_calls(closed: jx.ClosedJaxpr, primitives: Collection[str] = PLAIN_CALLS,
@@ -185,23 +201,22 @@ def inline_calls(closed: jx.ClosedJaxpr, primitives: Collection[str] = PLAIN_CAL
 def rewrite_nested(closed: jx.ClosedJaxpr, level: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) -> jx.ClosedJaxpr:
     """Apply ``level`` to every sub-jaxpr (innermost first), then to ``closed`` itself.
 
-    ``level`` returns its argument unchanged (the same object) when it has nothing to do.
+    ``level`` returns its argument unchanged (the same object) when it has nothing to do. The
+    sub-jaxprs are rewritten first, and ``closed`` is re-traced with them only when one changed:
+    a program whose sub-jaxprs ``level`` leaves alone costs no re-trace.
     """
-    def rule(eqn, invals):
-        params = map_subjaxprs(eqn, lambda sub: rewrite_nested(sub, level))
-        return None if params is None else bind_equation(eqn, invals, params)
-
+    new_params: dict[int, dict] = {}
+    for eqn in closed.jaxpr.eqns:
+        if has_subjaxprs(eqn):
+            params = map_subjaxprs(eqn, lambda sub: rewrite_nested(sub, level))
+            if params is not None:
+                new_params[id(eqn)] = params
     inner = closed
-    if any(has_subjaxprs(eqn) for eqn in closed.jaxpr.eqns):
-        changed = []
-
-        def tracking_rule(eqn, invals):
-            out = rule(eqn, invals)
-            if out is not None:
-                changed.append(eqn)
-            return out
-        candidate = rewrite(closed, eqn_rule=tracking_rule)
-        inner = candidate if changed else closed
+    if new_params:
+        def rule(eqn, invals):
+            params = new_params.get(id(eqn))
+            return None if params is None else bind_equation(eqn, invals, params)
+        inner = rewrite(closed, eqn_rule=rule)
     return level(inner)
 
 

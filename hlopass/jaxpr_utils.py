@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import Any, Callable, Iterator, Sequence
@@ -9,6 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from hlopass import internals as jx
 
+from hlopass import progress
 from hlopass.families import CUSTOM_DERIVATIVE_CALLS, INLINABLE, OWN_PROGRAMS
 from hlopass.sharding import body_context
 
@@ -83,7 +85,7 @@ def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) ->
     changed = False
 
     def in_context(closed):
-        with body_context(eqn):
+        with body_context(eqn), progress.at(functools.partial(_describe_body, eqn)):
             return transform(closed)
 
     def visit(key, value):
@@ -107,6 +109,12 @@ def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) ->
 
     params = {key: visit(key, value) for key, value in eqn.params.items()}
     return params if changed else None
+
+
+def _describe_body(eqn) -> str:
+    """``inside scan at model.py:12 (f)``: the sub-program a pass works on, for progress lines."""
+    from hlopass.report import source_line
+    return f"inside {eqn.primitive.name} at {source_line(eqn)}"
 
 
 def call_body(eqn) -> jx.ClosedJaxpr | None:
@@ -174,6 +182,24 @@ def largest_values(closed, limit: int = 5) -> list[tuple[str, int, str]]:
     """The ``limit`` largest values defined in ``closed`` (recursively), as (type, bytes, source line)."""
     sized = ((aval_nbytes(var.aval), var, eqn) for eqn in iter_eqns(closed) for var in eqn.outvars)
     return _described(heapq.nlargest(limit, (row for row in sized if row[0]), key=lambda row: row[0]))
+
+
+def largest_value_bytes(closed) -> int:
+    """The bytes of the largest value anywhere in ``closed``: its inputs and constants, every
+    equation's results, and the same in every sub-jaxpr (loop, branch and call bodies; not nested
+    ``hlopass_call`` programs, which are checked on their own). One walk over the avals."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    largest = max((aval_nbytes(v.aval) for v in (*jaxpr.invars, *jaxpr.constvars)), default=0)
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            n = aval_nbytes(v.aval)
+            if n > largest:
+                largest = n
+        for sub in subjaxprs(eqn):
+            n = largest_value_bytes(sub)
+            if n > largest:
+                largest = n
+    return largest
 
 
 def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int, str]]:

@@ -29,6 +29,7 @@ import time
 
 from hlopass import internals as jx
 
+from hlopass import program_cache
 from hlopass.memory import MemoryCheck, enforce, footprint, upper_bound
 from hlopass.report import Comparison
 
@@ -118,6 +119,8 @@ def decide(result, rewritten: MemoryCheck, rewritten_s: float | None,
         kept=kept, rewritten_bytes=rewritten.footprint, original_bytes=original.footprint,
         rewritten_compile_s=rewritten_s, original_compile_s=original_s, blocked=blocked, reasons=reasons)
     logger.info("hlopass: %s: kept the %s program (%s)", result.report.label, kept, result.report.comparison.line())
+    if kept == "original":  # a later process compiles the program as written without the passes
+        program_cache.store(getattr(result, "cache_key", None), result.report)
     return kept
 
 

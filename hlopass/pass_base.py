@@ -19,6 +19,11 @@ the pass instances it holds, only for enabled passes, in pipeline order:
 
 What a pass finds there reaches its report as :class:`~hlopass.report.Note` s.
 
+Before running a pass the pipeline asks :meth:`Pass.applies` whether it could change the program,
+given :class:`ProgramFacts` (sizes read from the avals, computed once for all passes). A pass that
+cannot is not run; when none can, the program goes to XLA as written at the cost of one walk over
+its avals (no inlining, no analysis, no re-trace).
+
 A pass may declare capabilities in ``provides`` (``{"reorder_products"}``);
 an earlier pass asks :meth:`Pass.later_provides` whether a pass after it in
 the pipeline will do something, instead of testing pass names.
@@ -27,13 +32,47 @@ the pipeline will do something, instead of testing pass names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, ContextManager, Iterable
 
 from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.interpreter import rewrite_nested
+from hlopass.jaxpr_utils import largest_value_bytes
+from hlopass.memory import upper_bound
 from hlopass.report import Note, PassReport
+
+
+class ProgramFacts:
+    """What the passes' :meth:`Pass.applies` read about a program: sizes from its avals, each computed
+    on first use and shared by every pass of one pipeline run.
+
+    - ``largest_bytes``: the largest value anywhere in the program (inputs, constants, results of
+      every equation, and the same inside loop, branch and call bodies), whole (one device holds
+      at most that of it);
+    - ``bound_bytes``: :func:`~hlopass.memory.upper_bound` of the program's own values (what the
+      passes measure against the memory limit).
+    """
+
+    def __init__(self, closed: jx.ClosedJaxpr):
+        self.closed = closed
+
+    @functools.cached_property
+    def largest_bytes(self) -> int:
+        return largest_value_bytes(self.closed)
+
+    @functools.cached_property
+    def bound_bytes(self) -> int:
+        return upper_bound(self.closed, own_values_only=True)
+
+    def above(self, threshold: int | None) -> bool:
+        """Whether some value is larger than ``threshold`` (``None``: the threshold is off, never)."""
+        return threshold is not None and self.largest_bytes > threshold
+
+    def over(self, limit: int | None) -> bool:
+        """Whether the crude bound exceeds ``limit`` (``None``: no limit, never)."""
+        return limit is not None and self.bound_bytes > limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +128,15 @@ class Pass:
         return self._later.get(capability)
 
     # -- the pipeline step -----------------------------------------------------------------------
+    def applies(self, closed: jx.ClosedJaxpr, config: Config, facts: ProgramFacts) -> bool:
+        """Whether :meth:`run` could change ``closed``; ``False`` lets the pipeline skip the pass.
+
+        Asked before every run, so it must be cheap: read ``facts`` (sizes from the avals) and
+        ``config``, not analyse. It may say ``True`` when unsure, never ``False`` for a program the
+        pass would rewrite. The default is ``True``: a pass that does not say is always run.
+        """
+        return True
+
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         """Rewrite ``closed``; return the new jaxpr (the same object when nothing changed) and the report."""
         report = PassReport(self.name)

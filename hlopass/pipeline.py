@@ -22,12 +22,14 @@ from typing import Iterator, Sequence
 import jax
 from hlopass import internals as jx
 
+from hlopass import program_cache, progress
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
 from hlopass.jaxpr_utils import count_equations, largest_values, values_above
-from hlopass.pass_base import Pass
+from hlopass.pass_base import Pass, ProgramFacts
 from hlopass.report import Note, PassReport, PipelineReport
 from hlopass.sharding import input_shards
+from hlopass.sizes import format_size
 
 logger = logging.getLogger("hlopass")
 
@@ -61,6 +63,8 @@ class PipelineResult:
         self.check = None
         self.settled = False
         self.warned = False
+        #: the name of this program's entry in the persistent cache (:mod:`hlopass.program_cache`)
+        self.cache_key: str | None = None
 
     @property
     def original(self) -> jx.ClosedJaxpr:
@@ -111,7 +115,7 @@ def run_pipeline(closed: jx.ClosedJaxpr, config: Config, label: str = "function"
         per_jaxpr = {}
     key = (config, tuple(notes), input_shards())
     if key not in per_jaxpr:
-        per_jaxpr[key] = _run(closed, config, label, notes)
+        per_jaxpr[key] = _run(closed, config, label, notes, key[2])
     return per_jaxpr[key]
 
 
@@ -135,16 +139,54 @@ def _check_enabled() -> bool:
     return os.environ.get(ENV_CHECK, "") not in ("", "0") or bool(jax.config.jax_enable_checks)
 
 
-def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note]) -> PipelineResult:
+def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Note], shards=None) -> PipelineResult:
     report = PipelineReport(label=label, config_line=config.describe(),
                             equations_before=count_equations(closed))
     if not config.passes:
         report.equations_after = report.equations_before
         return PipelineResult(closed, None, report, config)
     report.largest_before = largest_values(closed)
+    passes = placed(config)
+    facts = ProgramFacts(closed)
+    if not any(_applies(pass_, closed, config, facts) for pass_ in passes):
+        # nothing to do: XLA gets the program as written, and no pass, inlining or re-trace ran
+        report.passes = [_not_run(pass_, notes) for pass_ in passes]
+        report.equations_after = report.equations_before
+        report.largest_after = report.largest_before
+        logger.debug("hlopass: %s: no pass applies (largest value %s); compiled as written", label,
+                     format_size(facts.largest_bytes))
+        return PipelineResult(closed, None, report, config)
+    cache_key = program_cache.key(closed, config, tuple(notes), shards)
+    cached = program_cache.load(cache_key)
+    if cached is not None:  # an earlier process found nothing to rewrite, or kept the program as written
+        cached.label = label
+        logger.debug("hlopass: %s: the passes' decision read from the persistent cache", label)
+        return PipelineResult(closed, None, cached, config)
+    with progress.program(label, [p.name for p in passes]) as work:
+        current, rewrote = _run_passes(closed, config, label, notes, passes, facts, report, work)
+    if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
+        report.equations_after = report.equations_before
+        report.largest_after = report.largest_before
+        program_cache.store(cache_key, report)
+        return PipelineResult(closed, None, report, config)
+    report.equations_after = count_equations(current)
+    report.largest_after = largest_values(current)
+    result = PipelineResult(closed, current, report, config)
+    result.cache_key = cache_key  # never_worse.decide stores it when XLA's figures keep the original
+    return result
+
+
+def _run_passes(closed, config, label, notes, passes, facts, report, work) -> tuple[jx.ClosedJaxpr, bool]:
+    """Inline calls, run each pass that applies; the program and whether a pass rewrote it."""
     current = inline_calls(closed)
     rewrote = False
-    for pass_ in placed(config):
+    for index, pass_ in enumerate(passes):
+        if current is not facts.closed:
+            facts = ProgramFacts(current)
+        if not _applies(pass_, current, config, facts):
+            report.passes.append(_not_run(pass_, notes))
+            continue
+        work.start_pass(index)
         start = time.perf_counter()
         try:
             new, pass_report = pass_.run(current, config)
@@ -168,13 +210,27 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
         for entry in pass_report.rewrites:
             logger.info("hlopass: %s", entry)
         current = new
-    if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
-        report.equations_after = report.equations_before
-        report.largest_after = report.largest_before
-        return PipelineResult(closed, None, report, config)
-    report.equations_after = count_equations(current)
-    report.largest_after = largest_values(current)
-    return PipelineResult(closed, current, report, config)
+    return current, rewrote
+
+
+def _applies(pass_: Pass, closed: jx.ClosedJaxpr, config: Config, facts: ProgramFacts) -> bool:
+    """The pass's own answer; a pass whose gate raises is run (its errors are handled there)."""
+    try:
+        return bool(pass_.applies(closed, config, facts))
+    except Exception as err:  # noqa: BLE001 - a broken gate must not hide the pass
+        if _raise_errors():
+            raise
+        logger.debug("hlopass: %s.applies raised %s: %s; the pass runs", pass_.name, type(err).__name__, err)
+        return True
+
+
+def _not_run(pass_: Pass, notes: Sequence[Note]) -> PassReport:
+    """The report of a pass the pipeline did not run: the notes it made while tracing, if any."""
+    pass_report = PassReport(pass_.name, ran=False)
+    for note in notes:
+        if note.pass_name == pass_.name:
+            pass_report.add_note(note)
+    return pass_report
 
 
 def _check_signature(before: jx.ClosedJaxpr, after: jx.ClosedJaxpr, name: str) -> None:

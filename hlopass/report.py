@@ -69,6 +69,10 @@ class PassReport:
     rewrites: list[Rewrite] = dataclasses.field(default_factory=list)
     skipped: list[Skip] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    #: ``False`` when the pipeline did not run the pass: it said it could not change the program
+    #: (:meth:`~hlopass.pass_base.Pass.applies`), or the pipeline's result came from the
+    #: persistent cache (:mod:`hlopass.program_cache`); notes made while tracing are still here
+    ran: bool = True
 
     def rewrite(self, kind: str, eqn_or_location, summary: str, **details) -> Rewrite:
         """Record a rewrite anchored at an equation (or a location string)."""
@@ -143,6 +147,9 @@ class PipelineReport:
     largest_after: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
     #: set once XLA's figures decided between the rewritten and the original program
     comparison: Comparison | None = None
+    #: the passes did not run in this process: an earlier one's decision and report were read from
+    #: the persistent cache (:mod:`hlopass.program_cache`)
+    from_cache: bool = False
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -163,14 +170,18 @@ class PipelineReport:
             "largest_before": self.largest_before,
             "largest_after": self.largest_after,
             "comparison": dataclasses.asdict(self.comparison) if self.comparison else None,
+            "from_cache": self.from_cache,
         }
 
     def __str__(self) -> str:
         from hlopass.sizes import format_size
         lines = [f"hlopass report for {self.label}", f"  {self.config_line}",
                  f"  equations: {self.equations_before} -> {self.equations_after}"]
+        if self.from_cache:
+            lines.append("  (the passes' decision and this report come from the persistent cache)")
         for p in self.passes:
-            lines.append(f"  pass {p.name}: {len(p.rewrites)} rewrite(s), {len(p.skipped)} skipped, {p.seconds * 1e3:.1f} ms")
+            ran = f"{p.seconds * 1e3:.1f} ms" if p.ran else "not run (nothing for it to do)"
+            lines.append(f"  pass {p.name}: {len(p.rewrites)} rewrite(s), {len(p.skipped)} skipped, {ran}")
             lines.extend(f"    - {r.location}: {r.summary}" for r in p.rewrites)
             lines.extend(f"    ~ {s.location}: left {s.primitive} alone: {s.reason}" for s in p.skipped)
         for title, rows in (("largest tensors before", self.largest_before), ("largest tensors after", self.largest_after)):

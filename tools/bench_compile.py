@@ -1,17 +1,26 @@
 """Where hlopass's first call goes: trace, each pass, the never-worse comparison, lowering and XLA
 compile, against ``jax.jit``'s first call, on programs written with popular JAX libraries.
 
-    python -m tools.bench_compile [--programs a,b] [--json tools/results/compile.json]
+    python -m tools.bench_compile [--programs a,b] [--columns plain,nothing,forced] [--repeat 3]
+                                  [--json tools/results/compile.json]
 
-Each program runs in its own child process (so no cache of one column helps another), at two
-settings: ``nothing`` (hlopass's defaults: nothing is above the threshold) and ``forced`` (a
-threshold a tenth of the program's largest intermediate, so the passes rewrite). Per column: the
-first call of a fresh function object (trace + passes + lower + compile + run), and for hlopass its
-parts: tracing (``f.trace``), the passes (each pass's own time from the report), lowering
-(``.lower`` after tracing, which includes the never-worse comparison's compiles when it makes one)
-and XLA's compile. The libraries (flax, optax, numpyro, ott-jax, jax-md, tinygp) are the
-``compile-bench`` extra: ``bash tools/setup.sh compile-bench``; a program whose library is missing is
-reported as such, not skipped silently.
+Each program runs in its own child process per column (so no cache of one column helps another):
+``plain`` (``jax.jit``), ``nothing`` (hlopass's defaults: usually nothing is above the threshold),
+``forced`` (a threshold a tenth of the program's largest intermediate, so the passes rewrite), and
+``plain_cached`` / ``nothing_cached``: a second process sharing a persistent compilation cache
+(``JAX_COMPILATION_CACHE_DIR``) with a first one that filled it. Per column: the first call of a
+fresh function object (``first_call_s``: trace + passes + lower + compile + run, the first thing the
+child does), then, for a breakdown, the stages of a fresh instance one by one: tracing (``f.trace``),
+the passes (each pass's own time from the report), lowering (``.lower`` after tracing, which
+includes the never-worse comparison's compiles when it makes one) and XLA's compile. With
+``--repeat N`` each column runs in N children, the columns interleaved round by round, and the
+median first call is reported (the machine may be shared); ``--baseline DIR`` runs the hlopass
+columns of another checkout (an earlier commit's worktree) in the same rounds, for before/after
+figures under the same load. hlopass's modules are compiled to bytecode first, as an install does (so that
+``PYTHONDONTWRITEBYTECODE`` does not charge their compilation to the first call); each line says whether issue 27's bound holds (nothing set: 1.1x plain + 0.2 s;
+forced: 2x; cached: 1.2x plain's cached). The libraries (flax, optax, numpyro, ott-jax, jax-md,
+tinygp) are the ``compile-bench`` extra: ``bash tools/setup.sh compile-bench``; a program whose
+library is missing is reported as such, not skipped silently.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from tools import harness
@@ -213,6 +224,12 @@ PROGRAMS = {f.__name__: f for f in (transformer_adam, cnn_sgd, attention_grad, g
 
 # -- one program in a child ------------------------------------------------------------------------
 
+#: The columns: ``plain`` (``jax.jit``), ``nothing`` (hlopass's defaults), ``forced`` (a threshold a
+#: tenth of the largest intermediate), and the second process of each of the first two with JAX's
+#: persistent compilation cache filled by a first one (``plain_cached``, ``nothing_cached``).
+COLUMNS = ("plain", "nothing", "forced", "plain_cached", "nothing_cached")
+
+
 def _largest_intermediate(fn, args) -> int:
     import jax
     from hlopass.jaxpr_utils import largest_values
@@ -235,31 +252,58 @@ def _staged(f, args) -> dict:
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     times["run_s"] = time.perf_counter() - start
-    times["first_call_s"] = sum(times.values())
+    times["staged_s"] = sum(times.values())
     return times, traced
 
 
-def measure(name: str, column: str) -> dict:
-    """One column of one program, in this (fresh) process: ``plain``, ``nothing`` or ``forced``."""
+def _jitted(column: str, fn, args):
     import jax
     import hlopass
+    if column.startswith("plain"):
+        return jax.jit(fn)
+    kwargs = {"threshold": max(_largest_intermediate(fn, args) // 10, 1)} if column == "forced" else {}
+    return hlopass.jit(fn, **kwargs)
+
+
+def measure(name: str, column: str) -> dict:
+    """One column of one program, in this (fresh) process (see :data:`COLUMNS`).
+
+    ``first_call_s`` is what a user waits for: the first call of a fresh function object
+    (``f(*args)``: trace, passes, lower, compile, run), made first in the process. Then, on a fresh
+    instance of the program, the stages one by one (``f.trace``, ``.lower``, ``.compile``, a call) and
+    for hlopass each pass's own seconds from the report: a breakdown, in a process already warm.
+    """
+    import jax
     fn, args = PROGRAMS[name]()
+    jax.block_until_ready(args)
+    f = _jitted(column, fn, args)
+    start, cpu = time.perf_counter(), time.process_time()
+    jax.block_until_ready(f(*args))
+    result = {"first_call_s": time.perf_counter() - start, "first_call_cpu_s": time.process_time() - cpu}
+    if column.endswith("_cached"):
+        return result
+    fn, args = PROGRAMS[name]()
+    times, traced = _staged(_jitted(column, fn, args), args)
+    result.update(times)
     if column == "plain":
-        times, _ = _staged(jax.jit(fn), args)
-        return {**times, "largest_intermediate_bytes": _largest_intermediate(fn, args)}
-    kwargs = {} if column == "nothing" else {"threshold": max(_largest_intermediate(fn, args) // 10, 1)}
-    times, traced = _staged(hlopass.jit(fn, **kwargs), args)
-    report = traced.report
-    times["passes_s"] = {p.name: p.seconds for p in report.passes}
-    times["rewrites"] = sum(len(p.rewrites) for p in report.passes)
-    return times
+        result["largest_intermediate_bytes"] = _largest_intermediate(fn, args)
+    else:
+        report = traced.report
+        result["passes_s"] = {p.name: p.seconds for p in report.passes}
+        result["rewrites"] = sum(len(p.rewrites) for p in report.passes)
+    return result
 
 
-def run_child(name: str, column: str) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(name: str, column: str, env: dict | None = None, root: str = ROOT) -> dict:
+    """One child: ``python -m tools.bench_compile --child NAME:COLUMN`` in ``root`` (whose hlopass it
+    imports: the checkout to measure)."""
     try:
         done = subprocess.run([sys.executable, "-m", "tools.bench_compile", "--child", f"{name}:{column}"],
-                              cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S)
+                              cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S,
+                              env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         return {"status": f"no result after {TIMEOUT_S} s"}
     for line in done.stdout.splitlines():
@@ -269,9 +313,72 @@ def run_child(name: str, column: str) -> dict:
     return {"status": "failed: " + " | ".join(tail)}
 
 
+def run_once(name: str, column: str, root: str = ROOT) -> dict:
+    """One timed child of a column; a ``*_cached`` column's child gets a fresh persistent cache,
+    filled by a child of the uncached column first (not timed)."""
+    if not column.endswith("_cached"):
+        return run_child(name, column, root=root)
+    cache = tempfile.mkdtemp(prefix="bench_compile_cache_")
+    env = {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    try:
+        filled = run_child(name, column.removesuffix("_cached"), env, root)
+        return filled if "first_call_s" not in filled else run_child(name, column, env, root)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def run_program(name: str, columns: list[str], repeat: int, baseline: str | None) -> dict:
+    """Every column of one program, ``repeat`` rounds, the columns interleaved within each round (so
+    a shared machine's load hits them alike); with a ``baseline`` checkout its hlopass columns run
+    in the same rounds (``baseline:nothing``...). Per column: the run with the median first call,
+    and every first call (``first_calls_s``)."""
+    keys = [(c, ROOT) for c in columns]
+    if baseline:
+        keys += [(c, baseline) for c in columns if not c.startswith("plain")]
+    runs: dict = {key: [] for key in keys}
+    for _ in range(repeat):
+        for column, root in keys:
+            if runs[(column, root)] and "first_call_s" not in runs[(column, root)][-1]:
+                continue
+            runs[(column, root)].append(run_once(name, column, root))
+    row = {}
+    for (column, root), got in runs.items():
+        name_ = column if root == ROOT else f"baseline:{column}"
+        if "first_call_s" not in got[-1]:
+            row[name_] = got[-1]
+            continue
+        got.sort(key=lambda r: r["first_call_s"])
+        row[name_] = dict(got[len(got) // 2], first_calls_s=[round(r["first_call_s"], 3) for r in got],
+                          first_call_cpu_s_median=sorted(r.get("first_call_cpu_s", 0.0) for r in got)[len(got) // 2])
+    return row
+
+
+def _acceptance(column: str, value: float, plain: float) -> str:
+    """Issue 27's bound for the column: nothing set 1.1x plain + 0.2 s, forced 2x, cached 1.2x."""
+    bound = {"nothing": 1.1 * plain + 0.2, "forced": 2 * plain, "nothing_cached": 1.2 * plain}.get(column)
+    return "" if bound is None else ("ok" if value <= bound else f"over {bound:.2f} s")
+
+
+def _compile_sources() -> None:
+    """Write the bytecode of hlopass, its passes and the fixtures, as ``pip install`` does: where
+    ``PYTHONDONTWRITEBYTECODE`` is set, a child would otherwise compile every hlopass module from
+    source on import, a cost ``jax.jit`` (installed with its bytecode) does not pay."""
+    import compileall
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder in ("hlopass", "passes", "fixtures", "tools"):
+        compileall.compile_dir(os.path.join(root, folder), quiet=1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--programs", default=",".join(PROGRAMS))
+    parser.add_argument("--columns", default="plain,nothing,forced",
+                        help=f"comma-separated, of {', '.join(COLUMNS)}")
+    parser.add_argument("--repeat", type=int, default=1, help="children per column; the median is reported")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="a checkout of hlopass to compare with (a git worktree of an earlier commit, with "
+                             "this file in its tools/): its hlopass columns run interleaved with these")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -279,28 +386,36 @@ def main(argv=None) -> int:
         name, column = args.child.split(":")
         print(RESULT + json.dumps(measure(name, column)), flush=True)
         return 0
+    columns = [c for c in args.columns.split(",") if c]
+    unknown = sorted(set(columns) - set(COLUMNS))
+    if unknown:
+        parser.error(f"unknown column(s) {', '.join(unknown)}; known: {', '.join(COLUMNS)}")
+    _compile_sources()
     rows = []
-    print(f"{'program':<24} {'plain':>7} {'nothing':>8} {'ratio':>6} {'forced':>8} {'ratio':>6}  "
-          "slowest parts (forced)")
     for name in harness.progress(args.programs.split(","), "programs"):
-        row = {"program": name, "doc": PROGRAMS[name].__doc__.split("\n")[0],
-               **{column: run_child(name, column) for column in ("plain", "nothing", "forced")}}
+        row = {"program": name, "doc": PROGRAMS[name].__doc__.split("\n")[0]}
+        row.update(run_program(name, columns, args.repeat, args.baseline and os.path.abspath(args.baseline)))
         rows.append(row)
-        failed = [c for c in ("plain", "nothing", "forced") if "first_call_s" not in row[c]]
-        if failed:
-            reasons = "; ".join(f"{c}: {row[c].get('status')}" for c in failed)
-            print(f"{name:<24} {reasons}")
-            continue
-        row["plain_first_call_s"] = row["plain"]["first_call_s"]
-        n, f = row["nothing"], row["forced"]
-        for col in (n, f):
-            col["ratio_first_call"] = col["first_call_s"] / row["plain_first_call_s"]
-        parts = sorted(f["passes_s"].items(), key=lambda kv: -kv[1])[:2]
-        parts_text = ", ".join(f"{k} {v:.2f} s" for k, v in parts)
-        print(f"{name:<24} {row['plain_first_call_s']:7.2f} {n['first_call_s']:8.2f} {n['ratio_first_call']:6.2f} "
-              f"{f['first_call_s']:8.2f} {f['ratio_first_call']:6.2f}  trace {f['trace_s']:.2f} s, {parts_text}, "
-              f"lower {f['lower_s']:.2f} s, compile {f['compile_s']:.2f} s ({f['rewrites']} rewrites)", flush=True)
-        harness.write_json(args.json, {"rows": rows}, indent=1)
+        cells = []
+        shown = columns + [f"baseline:{c}" for c in columns if args.baseline and not c.startswith("plain")]
+        for column in shown:
+            col = row[column]
+            if "first_call_s" not in col:
+                cells.append(f"{column}: {col.get('status')}")
+                continue
+            text = f"{column} {col['first_call_s']:.2f} s"
+            base = row.get("plain_cached" if column.endswith("_cached") else "plain", {}).get("first_call_s")
+            if base and not column.startswith("plain"):
+                col["ratio_first_call"] = col["first_call_s"] / base
+                verdict = _acceptance(column.removeprefix("baseline:"), col["first_call_s"], base)
+                text += f" ({col['ratio_first_call']:.2f}x{', ' + verdict if verdict else ''})"
+            if col.get("passes_s"):
+                slowest = sorted(col["passes_s"].items(), key=lambda kv: -kv[1])[:2]
+                text += " [" + ", ".join(f"{k} {v:.2f} s" for k, v in slowest) + f"; {col['rewrites']} rewrites]"
+            cells.append(text)
+        print(f"{name:<24} " + " | ".join(cells), flush=True)
+        harness.write_json(args.json, {"columns": columns, "repeat": args.repeat, "baseline": args.baseline,
+                                       "rows": rows}, indent=1)
     return 0
 
 

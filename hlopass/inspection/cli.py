@@ -2,7 +2,7 @@
 
     hlopass-dump FILE_OR_MODULE:FUNCTION --arg f32[1000,3] --arg f32[1000,3] \
         [--threshold SIZE] [--split-size SIZE] [--memory-limit SIZE] [--passes LIST] [--out DIR]
-        [--format svg|png] [--explorer DIR]
+        [--format svg|png] [--explorer DIR] [--progress auto|on|off]
 
 A misuse (bad target, argument spec, setting, folder) is one ``hlopass-dump: error:`` line and exit
 status 2; an exception raised by the user's function prints the user's own frames and exits 1; so does
@@ -12,17 +12,20 @@ a program over the memory limit with ``HLOPASS_STRICT`` set. Never a traceback f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
 import re
 import sys
 import sysconfig
+import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 
+from hlopass import progress
 from hlopass.errors import ConfigError
 from hlopass.inspection import explorer
 from hlopass.registry import builtin_folder
@@ -105,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-compile", action="store_true", help="skip XLA compilation (no memory figures)")
     parser.add_argument("--format", choices=["text", "svg", "png"], default="text",
                         help="also draw pictures of the graph and memory (needs the 'plot' extra)")
+    parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                        help="a progress bar of the passes on stderr (auto: when stderr is a terminal)")
     parser.add_argument("--explorer", metavar="DIR", default=None,
                         help="write the StableHLO before and after, with node data (bytes, rewriting pass, split "
                              "chunk), for Google's Model Explorer to DIR (needs the 'explorer' extra)")
@@ -146,8 +151,11 @@ def main(argv=None) -> int:
         config = function.config()
     except (UsageError, ConfigError, explorer.ExplorerError) as err:
         return _usage_error(err)
+    bar = ProgressBar(sys.stderr) if options.progress == "on" or (
+        options.progress == "auto" and sys.stderr.isatty()) else None
     try:
-        explanation = explain(function, *specs, compile=not options.no_compile, _config=config)
+        with bar if bar is not None else contextlib.nullcontext():
+            explanation = explain(function, *specs, compile=not options.no_compile, _config=config)
     except (UsageError, ConfigError, explorer.ExplorerError) as err:
         return _usage_error(err)
     except Exception as err:  # noqa: BLE001 - the user's function raised: say so, with their frames
@@ -183,6 +191,50 @@ def main(argv=None) -> int:
             print(f"hlopass-dump: error: {err}", file=sys.stderr)
             status = 1
     return status
+
+
+class ProgressBar:
+    """A one-line bar on ``stream`` while the passes run: each program, the pass running (k of n),
+    its time and region (from :mod:`hlopass.progress`); redrawn in place, at most ten times a second
+    for region changes."""
+
+    WIDTH = 20
+
+    def __init__(self, stream, width: int = 110):
+        self.stream = stream
+        self.width = width
+        self.drawn = False
+        self._last = 0.0
+
+    def __enter__(self) -> "ProgressBar":
+        progress.listeners.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        progress.listeners.remove(self)
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def __call__(self, work: progress.Work, event: str) -> None:
+        now = time.perf_counter()
+        if event == "region" and now - self._last < 0.1:
+            return
+        self._last = now
+        n = len(work.passes)
+        done = n if event == "done" else max(work.index, 0)
+        filled = self.WIDTH * done // max(n, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        if event == "done":
+            what = f"done in {now - work.started:.1f} s"
+        elif work.current_pass is None:
+            what = "starting"
+        else:
+            what = f"{work.current_pass} ({now - work.pass_started:.1f} s) at {work.region()}"
+        line = f"hlopass-dump: {work.label}: passes [{bar}] {done}/{n} {what}"
+        self.stream.write("\r" + line[:self.width].ljust(self.width))
+        self.stream.flush()
+        self.drawn = True
 
 
 def _usage_error(err) -> int:

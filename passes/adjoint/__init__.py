@@ -91,6 +91,10 @@ class AdjointPass(Pass):
     Options = AdjointOptions
     provides = frozenset({"adjoint_recurrences"})
 
+    def applies(self, closed: jx.ClosedJaxpr, config: Config, facts) -> bool:
+        """Never at lowering time: the pass acts while tracing and before linearising."""
+        return False
+
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         """Nothing at lowering time: the replacements were made while tracing or before linearising,
         and their notes are this pass's report."""

@@ -8,7 +8,10 @@ forward scan that keeps every step's values and a transposed one. So, while
 one that traces the function being differentiated to a jaxpr, replaces its
 linear-recurrence scans by adjoint scans (:func:`.rewrite.rewrite_scans`)
 and differentiates that instead. A function without such a scan is
-differentiated as it was written (after one probe trace that records nothing).
+differentiated as it was written: JAX differentiates the probe's jaxpr, replayed equation by
+equation (with their source lines), so the user's Python runs once, not twice; only when the
+function itself takes a reverse-mode derivative inside (an inner ``jax.grad``, which the hvp pass
+may replace at its own depth) is it traced again under the derivative.
 Derivatives taken by this pass's own machinery are left alone.
 """
 
@@ -39,13 +42,19 @@ def _patched(original: Callable) -> Callable:
     def vjp(fun, *primals, has_aux=False, **kwargs):
         tracing = getattr(_state, "tracing", None)
         if tracing is None or in_machinery() or kwargs:
+            if tracing is not None and in_machinery():
+                _state.nested = getattr(_state, "nested", 0) + 1  # seen by a probe around it
             return original(fun, *primals, has_aux=has_aux, **kwargs)
         notes, memory_limit, options, check = tracing
+        nested_before = getattr(_state, "nested", 0)
         with own_machinery():  # a probe at the current depth: does ``fun`` hold a linear recurrence?
-            probe, found = jax.make_jaxpr(fun)(*primals), []
+            probe, shape = jax.make_jaxpr(fun, return_shape=True)(*primals)
+            found: list[Note] = []
             if rewrite_scans(probe, memory_limit, options, found, check) is probe:
                 notes.extend(n for n in found if n not in notes)   # the scans left alone, and why
-                return original(fun, *primals, has_aux=has_aux)   # differentiated as written
+                if getattr(_state, "nested", 0) != nested_before:  # an inner gradient: trace it again
+                    return original(fun, *primals, has_aux=has_aux)   # differentiated as written
+                return original(_replay(fun, probe, shape), *primals, has_aux=has_aux)
 
         @functools.wraps(fun)
         def rewritten(*args):
@@ -57,6 +66,18 @@ def _patched(original: Callable) -> Callable:
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), list(outs))
         return original(rewritten, *primals, has_aux=has_aux)
     return vjp
+
+
+def _replay(fun: Callable, probe: jx.ClosedJaxpr, shape) -> Callable:
+    """``fun`` as the equations of its traced ``probe`` (same results, same source lines), for JAX
+    to differentiate without running the user's Python a second time."""
+    out_tree = jax.tree_util.tree_structure(shape)
+
+    @functools.wraps(fun)
+    def replayed(*args):
+        outs = jx.jaxpr_as_fun(probe)(*jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(out_tree, list(outs))
+    return replayed
 
 
 _PATCHES = Patches(_targets, lambda module, name, current: _patched(current))

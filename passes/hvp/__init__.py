@@ -49,6 +49,10 @@ class HvpPass(Pass):
     name = "hvp"
     recursive = False
 
+    def applies(self, closed: jx.ClosedJaxpr, config, facts) -> bool:
+        """Never at lowering time: the pass acts while tracing and before linearising."""
+        return False
+
     def run_level(self, closed: jx.ClosedJaxpr, config, report: PassReport) -> jx.ClosedJaxpr:
         """Nothing: the replacements were made while tracing or before linearising, and their notes
         are this pass's report."""

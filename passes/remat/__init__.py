@@ -84,6 +84,11 @@ class RematPass(Pass):
     Options = RematOptions
     provides = frozenset({"rematerialize"})
 
+    def applies(self, closed: jx.ClosedJaxpr, config: Config, facts) -> bool:
+        """Only where the crude bound on the program's bytes is over the memory limit (below it,
+        :meth:`run` returns the program as it is)."""
+        return facts.over(config.memory_limit)
+
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         limit = config.memory_limit
         if limit is None or not keeps_residuals(closed) or upper_bound(closed, own_values_only=True) <= limit:

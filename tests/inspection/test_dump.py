@@ -209,3 +209,16 @@ def test_failing_picture_warns_and_the_call_goes_on(tmp_path, monkeypatch, caplo
     with caplog.at_level("WARNING", logger="hlopass"):
         out = hlopass.jit(lambda x: x * 3)(jnp.ones(4))
     assert float(out.sum()) == 12.0 and "no renderer" in caplog.text
+
+
+def test_cli_progress_bar(capsys):
+    argv = [f"{TARGET}:kernel_matvec", "--arg", "f32[500,3]", "--arg", "f32[400,3]", "--arg", "f32[400]",
+            "--threshold", "100kB", "--no-compile"]
+    assert main([*argv, "--progress", "on"]) == 0
+    err = capsys.readouterr().err
+    assert "hlopass-dump: kernel_matvec: passes [" in err and "\r" in err
+    assert "split (" in err and "6/6 done in" in err  # the pass running, then the end
+    assert main([*argv, "--progress", "off"]) == 0
+    assert "passes [" not in capsys.readouterr().err
+    assert main(argv) == 0  # auto: stderr is not a terminal here
+    assert "passes [" not in capsys.readouterr().err

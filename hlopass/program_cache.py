@@ -1,0 +1,178 @@
+"""The pipeline's decisions kept across processes, next to JAX's persistent compilation cache.
+
+With JAX's persistent compilation cache on (``jax_compilation_cache_dir``, or the
+``JAX_COMPILATION_CACHE_DIR`` variable), a program for which the passes changed nothing, or for
+which XLA's figures kept the program as written (:func:`hlopass.never_worse.decide`), is
+remembered under ``<cache dir>/hlopass/<key>.json``: the decision and the report. The key is a
+digest of the program (its printed jaxpr and the user's source lines), the settings, the notes the
+passes made while tracing, how the inputs are sharded, and the versions of hlopass (with its source
+files' sizes and times), JAX and jaxlib and the backend. A second process that traces the same
+program finds the entry, skips the passes (and the never-worse comparison), and lowers the program
+as written: the same module as the first process's, which XLA's cache then serves.
+
+Programs the passes rewrote (and kept rewritten) are not stored: a jaxpr cannot be written out,
+so the second process runs the passes again (their result is the same module, so XLA's cache still
+spares the compile). Writing or reading an entry never breaks a call: a failure is logged at debug
+level and the passes run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+import tempfile
+from typing import Any
+
+import jax
+import numpy as np
+from hlopass import internals as jx
+
+from hlopass.jaxpr_utils import iter_eqns
+from hlopass.report import Comparison, PassReport, PipelineReport, Rewrite, Skip, source_line
+
+logger = logging.getLogger("hlopass")
+
+#: The folder under JAX's cache folder that holds hlopass's entries.
+FOLDER = "hlopass"
+#: Bumped when the entries' format changes.
+FORMAT = 1
+
+
+def cache_dir() -> str | None:
+    """``<jax_compilation_cache_dir>/hlopass`` when JAX's persistent cache is on, else ``None``."""
+    base = jax.config.jax_compilation_cache_dir
+    if not base or not jax.config.jax_enable_compilation_cache:
+        return None
+    return os.path.join(os.fspath(base), FOLDER)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_stamp(folder: str) -> str:
+    """A digest of the ``.py`` files under ``folder``: names, sizes and modification times (a
+    change of hlopass's or a pass's code is a change of key, versions or not)."""
+    stamp = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                info = os.stat(path)
+                stamp.update(f"{os.path.relpath(path, folder)}:{info.st_size}:{info.st_mtime_ns}\n".encode())
+    return stamp.hexdigest()
+
+
+def _module_stamp(module_name: str) -> str:
+    """The code a module stands for: a package's folder (:func:`_code_stamp`), a module's file."""
+    path = getattr(sys.modules.get(module_name), "__file__", None)
+    if not path:
+        return ""
+    path = os.path.realpath(path)
+    if os.path.basename(path) == "__init__.py":
+        return _code_stamp(os.path.dirname(path))
+    info = os.stat(path)
+    return f"{path}:{info.st_size}:{info.st_mtime_ns}"
+
+
+@functools.lru_cache(maxsize=None)
+def _versions() -> str:
+    """hlopass's version and code, JAX's and jaxlib's versions, the backend's platform."""
+    version = getattr(sys.modules.get("hlopass"), "__version__", "?")
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = "?"
+    return (f"hlopass {version} {_module_stamp('hlopass')}; jax {jax.__version__}; "
+            f"jaxlib {jaxlib}; {jax.default_backend()} {jax.devices()[0].device_kind}")
+
+
+def _pass_identity(pass_) -> str:
+    """A pass's class (module and name), its options and its code (a built-in pass's whole package)."""
+    module = type(pass_).__module__
+    parts = module.split(".")
+    package = ".".join(parts[:3]) if parts[:2] == ["hlopass", "passes"] else module
+    return f"{module}.{type(pass_).__qualname__}({pass_.options!r}) {_module_stamp(package)}"
+
+
+def key(closed: jx.ClosedJaxpr, config, notes: tuple, shards) -> str | None:
+    """The entry's name for ``closed`` with these settings, notes and input shards; ``None`` when
+    the persistent cache is off or the program cannot be named (a constant that is not an array)."""
+    if cache_dir() is None:
+        return None
+    digest = hashlib.sha256()
+    settings = dataclasses.replace(config, passes=())
+    for part in (_versions(), repr(settings), *map(_pass_identity, config.passes), repr(tuple(notes)),
+                 repr(shards), str(closed.jaxpr)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    for const in closed.consts:
+        try:
+            value = np.asarray(const)
+        except Exception:  # noqa: BLE001 - a constant that is not an array: not cached
+            return None
+        digest.update(f"{value.dtype}{value.shape}".encode())
+        digest.update(value.tobytes())
+    digest.update("\n".join(source_line(eqn) for eqn in iter_eqns(closed)).encode())
+    return digest.hexdigest()
+
+
+def load(name: str | None) -> PipelineReport | None:
+    """The report stored under ``name`` (its passes marked as not run here), or ``None``."""
+    folder = cache_dir()
+    if name is None or folder is None:
+        return None
+    path = os.path.join(folder, f"{name}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            entry = json.load(f)
+        if entry.get("format") != FORMAT or entry.get("program") != "as_written":
+            return None
+        return _report_from_dict(entry["report"])
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # noqa: BLE001 - a damaged entry: run the passes
+        logger.debug("hlopass: could not read %s: %s: %s", path, type(err).__name__, err)
+        return None
+
+
+def store(name: str | None, report: PipelineReport) -> None:
+    """Remember under ``name`` that the program goes to XLA as written, with ``report``."""
+    folder = cache_dir()
+    if name is None or folder is None:
+        return
+    entry = {"format": FORMAT, "program": "as_written", "report": report.to_dict()}
+    try:
+        os.makedirs(folder, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(handle, "w", encoding="utf-8") as f:
+            json.dump(entry, f, default=_jsonable)
+        os.replace(temporary, os.path.join(folder, f"{name}.json"))  # atomic: readers see all or nothing
+    except Exception as err:  # noqa: BLE001 - the cache must never break a call
+        logger.debug("hlopass: could not write to %s: %s: %s", folder, type(err).__name__, err)
+
+
+def _jsonable(value: Any):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+def _report_from_dict(data: dict) -> PipelineReport:
+    passes = []
+    for p in data["passes"]:
+        passes.append(PassReport(
+            p["name"], [Rewrite(**r) for r in p["rewrites"]], [Skip(**s) for s in p["skipped"]],
+            seconds=0.0, ran=False))
+    comparison = Comparison(**data["comparison"]) if data.get("comparison") else None
+    return PipelineReport(
+        label=data["label"], config_line=data["config"], passes=passes,
+        equations_before=data["equations_before"], equations_after=data["equations_after"],
+        largest_before=[tuple(row) for row in data["largest_before"]],
+        largest_after=[tuple(row) for row in data["largest_after"]], comparison=comparison, from_cache=True)

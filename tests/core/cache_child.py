@@ -1,0 +1,43 @@
+"""One of two processes sharing JAX's persistent compilation cache, started by
+``tests/core/test_compile_speed.py``:
+
+    python -m tests.core.cache_child CACHE_DIR PASSES THRESHOLD
+
+calls a small program through ``hlopass.jit`` (the given passes and threshold) and prints one
+``ROW`` JSON line: how many times each test pass ran, the result, ``jax.jit``'s result, and the
+entries under ``CACHE_DIR/hlopass``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def program(x, y):
+    d = ((x[:, None, :] - y[None, :, :]) ** 2).sum(-1)
+    return (d.min(1) + x.sum(1)).sum()
+
+
+def main(cache_dir: str, passes: str, threshold: str) -> None:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    import numpy as np
+
+    import hlopass
+    from tests.core.spy_pass import RUNS
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((300, 3), np.float32), rng.standard_normal((200, 3), np.float32)
+    out = hlopass.jit(program, passes=passes, threshold=threshold)(x, y)
+    expected = jax.jit(program)(x, y)
+    folder = os.path.join(cache_dir, "hlopass")
+    entries = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    print("ROW " + json.dumps({"runs": dict(RUNS), "out": float(out), "expected": float(expected),
+                               "entries": entries}), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,196 @@
+"""Issue 27, compile in seconds: the pipeline's gates (a program with nothing to do goes to XLA as
+written, no pass run), the persistent cache of its decisions (a second process skips the passes)
+and the progress lines of long pass work."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlopass
+from hlopass import pipeline, program_cache, progress
+from hlopass.jaxpr_utils import largest_value_bytes
+from hlopass.pass_base import ProgramFacts
+from tests.core import spy_pass
+from tests.core.spy_pass import RUNS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def small(x, y):
+    return jnp.sum(jnp.tanh(x @ y.T), 1)
+
+
+def make_small():
+    """A fresh function object (a fresh trace, the same source lines) each call."""
+    return lambda x, y: jnp.sum(jnp.tanh(x @ y.T), 1)
+
+
+def args():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((64, 8), np.float32), rng.standard_normal((32, 8), np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counts():
+    RUNS.clear()
+    yield
+    RUNS.clear()
+
+
+# -- nothing to do costs nothing ---------------------------------------------------------------------
+
+def test_nothing_to_do_runs_no_pass_and_equals_jax_jit(monkeypatch):
+    def no_inlining(*a, **k):
+        raise AssertionError("the pipeline inlined calls of a program with nothing to do")
+    monkeypatch.setattr(pipeline, "inline_calls", no_inlining)
+    f = hlopass.jit(small, passes="hvp,adjoint,test_spy_gated,remat")
+    out = f(*args())
+    assert RUNS["test_spy_gated"] == 0
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(small)(*args())))
+    report = f.trace(*args()).report
+    assert [p.ran for p in report.passes] == [False] * 4
+    assert "not run (nothing for it to do)" in str(report)
+    assert "hlopass_small" in f.lower(*args()).as_text()  # the program as written, in its call
+
+
+def test_gate_opens_above_the_threshold():
+    f = hlopass.jit(small, passes="test_spy_gated", threshold="1kB")  # x @ y.T is 8 kB
+    f(*args())
+    assert RUNS["test_spy_gated"] == 1
+    assert [p.ran for p in f.trace(*args()).report.passes] == [True]
+
+
+def test_default_pipeline_gates():
+    """hvp and adjoint act while tracing and remat only over the memory limit: none runs on a
+    small program; the passes with no gate of their own still run (they may rewrite small programs)."""
+    report = hlopass.jit(small).trace(*args()).report
+    ran = {p.name: p.ran for p in report.passes}
+    assert ran["hvp"] is False and ran["adjoint"] is False and ran["remat"] is False
+    assert ran["algebraic"] and ran["matrix_chain"]
+    tight = hlopass.jit(small, memory_limit="1kB", threshold="off").trace(*args()).report
+    assert {p.name: p.ran for p in tight.passes}["remat"] is True
+
+
+def test_facts_read_every_value_sub_programs_and_inputs_included():
+    def in_scan(x):
+        def body(c, row):
+            return c + jnp.sum(jnp.exp(row[:, None] * x[None, :])), None  # 4000 x 4000 inside the body only
+        return jax.lax.scan(body, 0.0, x.reshape(4, 1000))[0]
+    closed = jax.make_jaxpr(in_scan)(jnp.ones(4000))
+    assert largest_value_bytes(closed) == 1000 * 4000 * 4
+    assert max(v.aval.size * 4 for e in closed.jaxpr.eqns for v in e.outvars) < 1000 * 4000 * 4
+    big_input = jax.make_jaxpr(lambda x: x[:2])(jnp.ones(10_000))
+    assert ProgramFacts(big_input).largest_bytes == 40_000
+    facts = ProgramFacts(closed)
+    assert facts.above(1_000_000) and not facts.above(None) and not facts.over(None)
+
+
+# -- a second process pays nothing extra -------------------------------------------------------------
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        yield tmp_path
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_cache_entry_skips_the_passes(cache_dir):
+    first = hlopass.jit(make_small(), passes="test_spy").trace(*args()).report
+    assert RUNS["test_spy"] == 1 and not first.from_cache
+    assert len(os.listdir(cache_dir / "hlopass")) == 1
+    second = hlopass.jit(make_small(), passes="test_spy").trace(*args()).report
+    assert RUNS["test_spy"] == 1, "the second trace ran the pass despite the entry"
+    assert second.from_cache and [p.ran for p in second.passes] == [False]
+    assert "persistent cache" in str(second)
+    hlopass.jit(make_small(), passes="test_spy", threshold="1kB").trace(*args()).report  # noqa: B018 - another key
+    assert RUNS["test_spy"] == 2
+
+
+def test_rewritten_programs_are_not_stored(cache_dir):
+    def rewritten():
+        return lambda x, y: jnp.sum(jnp.exp(x[:, None, :] - y[None, :, :]), (1, 2))
+    report = hlopass.jit(rewritten(), passes="split", threshold="10kB").trace(*args()).report
+    assert report.rewrites and not os.path.exists(cache_dir / "hlopass")
+    again = hlopass.jit(rewritten(), passes="split", threshold="10kB").trace(*args()).report
+    assert again.rewrites and not again.from_cache
+
+
+def test_no_cache_without_jax_cache_dir():
+    assert jax.config.jax_compilation_cache_dir in (None, "")
+    assert program_cache.cache_dir() is None
+    closed = jax.make_jaxpr(small)(*args())
+    assert program_cache.key(closed, hlopass.jit(small).config(), (), None) is None
+
+
+def _child(cache: str, passes: str = "test_spy", threshold: str = "1GB") -> dict:
+    done = subprocess.run([sys.executable, "-m", "tests.core.cache_child", cache, passes, threshold], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    assert rows, done.stderr[-3000:]
+    return json.loads(rows[-1][4:])
+
+
+@pytest.mark.slow
+def test_second_process_skips_the_passes(tmp_path):
+    first = _child(str(tmp_path))
+    assert first["runs"] == {"test_spy": 1} and len(first["entries"]) == 1
+    second = _child(str(tmp_path))
+    assert second["runs"] == {}, "the second process ran the pass"
+    assert second["entries"] == first["entries"]
+    for row in (first, second):
+        assert row["out"] == row["expected"]
+    third = _child(str(tmp_path), threshold="1MB")  # other settings: the pass runs, a second entry
+    assert third["runs"] == {"test_spy": 1} and len(third["entries"]) == 2
+
+
+# -- long work shows progress ------------------------------------------------------------------------
+
+def test_progress_lines_name_the_pass_and_region(monkeypatch, caplog):
+    monkeypatch.setattr(progress, "AFTER_S", 0.1)
+    monkeypatch.setattr(progress, "EVERY_S", 60.0)
+    with caplog.at_level(logging.INFO, logger="hlopass"):
+        hlopass.jit(small, passes="test_spy,test_slow").trace(*args()).report  # noqa: B018
+    lines = [r.getMessage() for r in caplog.records if r.name == "hlopass" and r.levelno == logging.INFO]
+    running = [line for line in lines if "running for" in line]
+    assert len(running) == 1, lines
+    assert "pass test_slow (2 of 2)" in running[0] and "at the test's region" in running[0]
+    assert any("the passes took" in line and "test_slow" in line for line in lines), lines
+
+
+def test_quick_passes_say_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="hlopass"):
+        hlopass.jit(small, passes="test_spy").trace(*args()).report  # noqa: B018
+    assert not [r for r in caplog.records if "running for" in r.getMessage() or "passes took" in r.getMessage()]
+
+
+def test_regions_named_by_the_engine():
+    seen = []
+
+    def listener(work, event):
+        seen.append((event, work.current_pass, work.region()))
+    progress.listeners.append(listener)
+    try:
+        fn = lambda x, y: jnp.sum(jnp.exp(x[:, None, :] - y[None, :, :]), (1, 2))  # noqa: E731
+        hlopass.jit(fn, passes="split", threshold="10kB").trace(*args()).report  # noqa: B018
+    finally:
+        progress.listeners.remove(listener)
+    assert seen[0][0] == "program" and seen[-1][0] == "done"
+    regions = [r for e, p, r in seen if e == "region" and p == "split"]
+    assert any(r.startswith("rewriting 1 region (at test_compile_speed.py:") for r in regions), seen
+
+
+def test_spy_module_registers_its_passes():
+    assert {"test_spy", "test_spy_gated", "test_slow"} <= set(hlopass.available_passes())
+    assert spy_pass.SlowPass.seconds > 0.1
