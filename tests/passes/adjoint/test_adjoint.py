@@ -86,7 +86,9 @@ def test_long_prime_length_with_batch_and_default_pipeline():
     f = hlopass.jit(jax.grad(loss, ARGNUMS))                 # the default pipeline holds the pass
     _compare(f(params, h0, xs), want, "float32")
     (entry,) = [r for p in f.trace(params, h0, xs).report.passes if p.name == "adjoint" for r in p.rewrites]
-    assert entry.details["chunk"] == 32 and entry.details["length"] == 1009
+    # K balances the states kept at chunk boundaries against a chunk's per-step bytes (both measured)
+    assert 1 < entry.details["chunk"] < 1009 and entry.details["length"] == 1009
+    assert entry.details["saved_bytes"] > 0 and entry.details["stacked"] == 1
     assert "models.py" in entry.location and "saves" in entry.summary
 
 
