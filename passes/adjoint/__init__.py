@@ -39,6 +39,7 @@ matched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -102,9 +103,14 @@ class AdjointPass(Pass):
                               f"no scan in the differentiated program: options {self!r} have no effect",
                               "options"))
 
+    @contextlib.contextmanager
     def trace_context(self, config: Config, notes: list[Note]):
-        """``jax.grad`` inside the hlopass function: linear recurrences get adjoint VJPs while tracing."""
-        return intercept_gradients(notes, config.memory_limit, self.options, _checks_on())
+        """``jax.grad`` inside the hlopass function: linear recurrences get adjoint VJPs while tracing.
+        Options given for a function whose gradients hold no scan are a report line."""
+        with intercept_gradients(notes, config.memory_limit, self.options, _checks_on()) as differentiated:
+            yield
+        if differentiated:
+            self._no_recurrence(None, notes)
 
     def before_linearize(self, closed: jx.ClosedJaxpr, config: Config, notes: list[Note]) -> jx.ClosedJaxpr:
         """``jax.grad`` of a hlopass function: replace its linear recurrences before JAX linearises it."""
