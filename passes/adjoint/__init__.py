@@ -52,6 +52,7 @@ from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 
 from .rewrite import NAME, rewrite_scans, truncation_errors
+from .associative import intercept as intercept_associative
 from .trace import intercept_gradients
 
 __all__ = ["AdjointPass", "AdjointOptions", "truncation_errors"]
@@ -107,7 +108,8 @@ class AdjointPass(Pass):
     def trace_context(self, config: Config, notes: list[Note]):
         """``jax.grad`` inside the hlopass function: linear recurrences get adjoint VJPs while tracing.
         Options given for a function whose gradients hold no scan are a report line."""
-        with intercept_gradients(notes, config.memory_limit, self.options, _checks_on()) as differentiated:
+        with intercept_gradients(notes, config.memory_limit, self.options, _checks_on()) as differentiated, \
+                intercept_associative(notes):
             yield
         if differentiated:
             self._no_recurrence(None, notes)

@@ -118,3 +118,28 @@ def shifted_layers(params, h0, xs):
     ys = jnp.concatenate([jnp.zeros_like(ys[:1]), ys[:-1]], 0) + xs
     h2, ys2 = diagonal(params, h, ys)
     return jnp.sum(ys2 ** 2) + jnp.sum(jnp.cumsum(ys, 0)[-1]) + jnp.sum(h2)
+
+
+def affine_combine(x, y):
+    """The combine of ``h_t = a_t * h_{t-1} + b_t`` for ``lax.associative_scan`` (``a`` over ``b``'s
+    leading axes)."""
+    a1, b1 = x
+    a2, b2 = y
+    return a1 * a2, a2.reshape(a2.shape + (1,) * (b1.ndim - a2.ndim)) * b1 + b2
+
+
+def selective_parallel(params, x, axis=0, reverse=False):
+    """A selective scan in parallel form: decay and input from ``x`` (time on ``axis``), readout."""
+    w_a, w_c = params
+    a = jax.nn.sigmoid(x @ w_a)                                   # (..., N)
+    b = jnp.sin(x)[..., None, :] * (1.0 - a)[..., None]           # (..., N, P)
+    t_axis = axis % x.ndim
+    A, h = lax.associative_scan(affine_combine, (a, b), reverse=reverse, axis=t_axis)
+    return jnp.sum(jnp.einsum("...np,pn->...", h, w_c) ** 2) + 0.1 * jnp.sum(A)
+
+
+def maxplus(params, x):
+    """A max-plus scan (not a linear recurrence): left alone."""
+    w, = params
+    v = x @ w
+    return jnp.sum(lax.associative_scan(jnp.maximum, v) ** 2)
