@@ -35,12 +35,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from hlopass import internals as jx
 
 logger = logging.getLogger("hlopass")
 
 
 def _zeros(x):
-    return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    return jnp.zeros_like(x)     # keeps the value's type across a mesh (varying axes in shard_map)
+
+
+def _values_mesh(tree):
+    """The manual mesh the values of ``tree`` live on when it is not the context's (a backward pass
+    traced inside a ``shard_map``'s transpose), to be entered; else a null context."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        manual = getattr(mesh, "manual_axes", None)
+        if manual and mesh != jax.sharding.get_abstract_mesh():
+            return jx.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def _inexact(x) -> bool:
@@ -172,7 +184,7 @@ def adjoint_scan(step: Callable, num_consts: int, num_carry: int, length: int, c
         return (*h, *ys), (consts, xs, starts, last_start)
 
     def f_bwd(res, cts):
-        with guard():
+        with guard(), _values_mesh(res):
             return _bwd(res, cts)
 
     def _bwd(res, cts):

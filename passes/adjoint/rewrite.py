@@ -16,6 +16,7 @@ from hlopass.report import Note, source_line
 from hlopass.sizes import format_size
 
 from .emit import adjoint_scan
+from .sharded import context_mesh, mesh_axis_size, sharded_adjoint_scan
 from .recurrence import Recurrence, body_function, classify
 from .stack import Region, balanced_chunk, chunked_region, find_region, near_divisor
 
@@ -148,7 +149,7 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                 continue
             found[i] = rec
         in_region: set[int] = set()
-        if options.truncate is None:
+        if options.truncate is None and options.sequence_axis is None:
             for length in sorted({c.jaxpr.eqns[i].params["length"] for i in found}, reverse=True):
                 region = find_region(c.jaxpr, length, {i: r for i, r in found.items()
                                                        if c.jaxpr.eqns[i].params["length"] == length
@@ -180,8 +181,33 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                     truncation_errors[site] = float(rel)
                     logger.info("hlopass: adjoint at %s: truncated gradient differs from the exact one by "
                                 "%.3g (relative)", site, float(rel))
-            fun = adjoint_scan(body_function(params["jaxpr"], nc, nk), nc, nk, params["length"], k, rec.form,
-                               truncate=options.truncate, on_truncation=on_trunc, guard=own_machinery)
+            fun = None
+            if options.sequence_axis is not None:
+                mesh = options.mesh if options.mesh is not None else context_mesh()
+                devices = mesh_axis_size(mesh, options.sequence_axis)
+                why = ("no mesh with that axis is set" if devices is None else
+                       "dense recurrences are not sharded (their per-device map is a matrix)" if rec.form == "dense"
+                       else "complex recurrences are not sharded (XLA 0.10's CPU compiler fails on them in a "
+                       "shard_map)" if rec.form == "complex"
+                       else f"{params['length']} steps do not split evenly over {devices} devices"
+                       if params["length"] % devices else None)
+                if why is None:
+                    rows = params["length"] // devices
+                    k = chunk_length(rows, rec, memory_limit, options.chunk)
+                    fun = sharded_adjoint_scan(body_function(params["jaxpr"], nc, nk, own_context=False), nc, nk,
+                                               len(eqn.invars) - nc - nk, params["length"], k, rec.form, mesh,
+                                               options.sequence_axis, own_machinery)
+                    summary, details = _describe(eqn, rec, k, options)
+                    summary += (f"; time axis sharded over mesh axis {options.sequence_axis!r} ({devices} devices, "
+                                f"{rows} steps each; one state per device boundary, parameter cotangents summed "
+                                f"by one psum each)")
+                    details = details + (("devices", devices),)
+                else:
+                    add(Note(NAME, "skip", site, f"not sharded over {options.sequence_axis!r}: {why}; "
+                             f"one device's adjoint scan instead", "scan"))
+            if fun is None:
+                fun = adjoint_scan(body_function(params["jaxpr"], nc, nk), nc, nk, params["length"], k, rec.form,
+                                   truncate=options.truncate, on_truncation=on_trunc, guard=own_machinery)
             reps.append(Replacement([i], list(eqn.invars), list(eqn.outvars),
                                     lambda *vals, fun=fun: fun(*vals), anchor=i))
             add(Note(NAME, "adjoint_scan", site, summary, "scan", details))
