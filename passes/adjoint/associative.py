@@ -36,8 +36,6 @@ from hlopass import internals as jx
 from hlopass.patches import Patches
 from hlopass.report import Note
 
-from .rewrite import in_machinery
-
 NAME = "adjoint"
 _state = threading.local()
 #: The scan the backward pass uses (never the patched one).
@@ -136,7 +134,7 @@ def _patched(original: Callable) -> Callable:
     def associative_scan(fn, elems, reverse: bool = False, axis: int = 0):
         notes = getattr(_state, "notes", None)
         leaves = jax.tree_util.tree_leaves(elems)
-        if notes is None or in_machinery() or not isinstance(elems, (tuple, list)) or len(elems) != 2 or len(leaves) != 2:
+        if notes is None or not isinstance(elems, (tuple, list)) or len(elems) != 2 or len(leaves) != 2:
             return original(fn, elems, reverse=reverse, axis=axis)
         a, b = elems
         a_aval, b_aval = jax.typeof(a), jax.typeof(b)

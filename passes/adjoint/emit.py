@@ -66,6 +66,11 @@ def _split(xs: Sequence, n: int, k: int):
     return full, rest
 
 
+#: JAX's associative scan, taken when this module is imported: the adjoint pass replaces
+#: ``jax.lax.associative_scan`` while it traces, and this machinery's own scans are not the user's.
+_associative_scan = lax.associative_scan
+
+
 def _affine_reverse(alphas, sigmas, mu_end):
     """``m_j = alpha_{j+1} m_{j+1} + sigma_{j+1}`` backwards from ``m_{K-1} = mu_end``, as an associative scan."""
     alpha = jnp.concatenate([alphas[1:], jnp.zeros_like(alphas[:1])], 0)
@@ -75,7 +80,7 @@ def _affine_reverse(alphas, sigmas, mu_end):
         a_l, s_l = later
         a_e, s_e = earlier
         return a_e * a_l, a_e * s_l + s_e
-    return lax.associative_scan(combine, (alpha, sigma), reverse=True)[1]
+    return _associative_scan(combine, (alpha, sigma), reverse=True)[1]
 
 
 def adjoint_scan(step: Callable, num_consts: int, num_carry: int, length: int, chunk: int, form: str,
