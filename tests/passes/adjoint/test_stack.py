@@ -101,3 +101,20 @@ def test_chunk_option_and_balance():
     assert near_divisor(1024, 45) == 32 and near_divisor(1009, 30) == 30 and near_divisor(10, 40) == 10
     # K balances T/K boundary states against K steps' bytes: sqrt(T * carry / per-step)
     assert balanced_chunk(4096, 100, 400, None) == 32 and balanced_chunk(4096, 100, 400, 8 * 400 * 5) == 4
+
+
+@pytest.mark.parametrize("T", [31, 64])
+def test_rows_read_after_the_region(T):
+    """A cumulative sum over time reads the region's rows after it: they are stacked from the chunks
+    (and a last partial chunk at a prime length)."""
+    def loss(params, h0, xs):
+        _, ys = models.diagonal(params, h0, xs)
+        z = jnp.tanh(ys) * 2.0
+        return jnp.sum(jnp.cumsum(z, 0) ** 2) + jnp.sum(z)
+    k = jax.random.split(jax.random.key(5), 4)
+    params = tuple(0.5 * jax.random.normal(k[i], (3, 4)) for i in range(3))
+    h0, xs = jnp.zeros((4, 3)), jax.random.normal(k[3], (T, 3))
+    grad = jax.grad(loss, (0, 1, 2))
+    f = hlopass.jit(grad, passes="adjoint")
+    _close(f(params, h0, xs), jax.jit(grad)(params, h0, xs), "float32")
+    assert [e.details["stacked"] for e in _entries(f.trace(params, h0, xs).report)] == [1]
