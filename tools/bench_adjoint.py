@@ -1,49 +1,47 @@
 """The adjoint pass against plain ``jax.grad``, hand checkpointing and the remat pass (adjoint sharding).
 
-    python -m tools.bench_adjoint [--contexts 32768 131072] [--layers 4] [--width 256] [--state 16]
-                                  [--repeat 3] [--tiny] [--json tools/results/adjoint.json]
+    python -m tools.bench_adjoint [--contexts 32768 131072 524288] [--layers 4] [--width 256] [--state 16]
+                                  [--repeat 2] [--cap 4GB] [--capped-from 524288] [--timeout 3600]
+                                  [--tiny] [--json tools/results/adjoint.json]
 
 The gradient of a stack of diagonal selective-SSM layers (Mamba-like: per channel and state entry a
 decay ``a_t = exp(-softplus(x_t W_dt) A)``, input ``b_t = x_t W_b``, readout ``c_t = x_t W_c``, a
-residual ``tanh``) under a language-model-like loss (cross-entropy of the last layer's output against
-next-token targets over a small vocabulary), float32. Columns, each compiled ahead of time:
+residual ``tanh``) under a language-model loss (cross-entropy of the last layer's output against
+next-token targets over a small vocabulary), float32. Columns, each compiled ahead of time in a child
+process of its own (``--timeout`` seconds at most):
 
 - ``plain``: ``jax.jit(jax.grad(loss))`` as written;
 - ``ckpt sqrt(T)``: ``jax.checkpoint`` by hand on blocks of about sqrt(T) steps (a nested scan);
 - ``remat``: ``hlopass.jit`` with ``passes="remat"`` and a memory limit of a tenth of plain's temp;
 - ``adjoint``: ``hlopass.jit`` with ``passes="adjoint"``.
 
-Each: XLA temp (``compile().memory_analysis()``), compile time, median call time after a warm-up
-(skipped when the temp would not fit in a third of the machine's memory), and the largest gradient
-difference relative to the reference's largest entry (plain's, or the checkpointed column's where plain
-does not run).
+Each row: XLA temp (``compile().memory_analysis()``), compile seconds, and the call's seconds when it
+runs: a column runs when its temp fits in a third of the machine's memory, or always under the cap
+(where running out of memory is the result, said as ``status: failed`` and the error); from ``--long-from``
+tokens on (default 131072) one call is timed without a warm-up (an ahead-of-time compiled program's
+first call on the CPU is not slower), below it ``--repeat`` calls after a warm-up, the median. From
+``--capped-from`` tokens on (default 524288) ``plain`` and ``adjoint`` run under an address-space cap
+(``ulimit -v``, ``--cap``, default 4 GB) and the other columns are only compiled. Gradients are compared
+on evenly spaced samples of every leaf against plain's, or the checkpointed column's where plain does
+not run (``max_rel_diff_vs_*``, each leaf against its own largest sample).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import statistics
-import sys
+import resource
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import hlopass  # noqa: E402
-from hlopass.config import device_memory_bytes  # noqa: E402
-from hlopass.sizes import format_size  # noqa: E402
-
 VOCAB = 64
+SAMPLES = 256
+COLUMNS = ("plain", "ckpt", "remat", "adjoint")
 
 
 def init(key, layers: int, width: int, state: int):
+    import jax
+    import jax.numpy as jnp
     ks = jax.random.split(key, 5 * layers + 2)
     params = []
     for i in range(layers):
@@ -57,6 +55,8 @@ def init(key, layers: int, width: int, state: int):
 
 
 def layer_step(p, h, x):
+    import jax
+    import jax.numpy as jnp
     dt = jax.nn.softplus(x @ p["w_dt"])                       # (D,)
     a = jnp.exp(-dt[:, None] * p["a"])                        # (D, N) input-dependent decay
     h = a * h + (dt * x)[:, None] * (x @ p["w_b"])[None, :]
@@ -64,6 +64,9 @@ def layer_step(p, h, x):
 
 
 def ssm_layer(p, xs, block: int | None = None):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
     h0 = jnp.zeros(p["a"].shape, xs.dtype)
     step = lambda h, x: layer_step(p, h, x)  # noqa: E731
     if block is None:
@@ -74,6 +77,9 @@ def ssm_layer(p, xs, block: int | None = None):
 
 
 def make_loss(block=None):
+    import jax
+    import jax.numpy as jnp
+
     def loss(params, emb, tokens):
         x = emb[tokens[:-1]]
         for p in params:
@@ -90,84 +96,140 @@ def _block(T: int) -> int:
     return max(k, 1)
 
 
-def column(name, fn, args, repeat, budget):
-    start = time.perf_counter()
-    compiled = fn.lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
-    row = dict(column=name, temp_bytes=temp, temp=format_size(temp), compile_s=round(compile_s, 3))
-    if temp > budget:
-        row.update(seconds=None, note=f"not run: temp over {format_size(budget)}")
-        return row, None
-    grads = jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    row["seconds"] = statistics.median(times)
-    return row, grads
+def column_name(column: str, T: int) -> str:
+    return f"ckpt sqrt(T) ({_block(T)} steps)" if column == "ckpt" else column
 
 
-def _rel(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30)) for x, y in zip(la, lb))
+def build(column: str, T: int, limit: int | None):
+    """The jitted gradient of ``column`` at context ``T``."""
+    import jax
+
+    import hlopass
+    grad = jax.grad(make_loss(), argnums=(0, 1))
+    if column == "plain":
+        return jax.jit(grad)
+    if column == "ckpt":
+        return jax.jit(jax.grad(make_loss(_block(T)), argnums=(0, 1)))
+    if column == "remat":
+        return hlopass.jit(grad, passes="remat", memory_limit=limit)
+    if column == "adjoint":
+        return hlopass.jit(grad, passes="adjoint")
+    raise ValueError(column)
 
 
-def run(T, layers, width, state, repeat):
+def child(column: str, T: int, layers: int, width: int, state: int, repeat: int, run: bool, warmup: bool,
+          limit: int | None) -> dict:
+    """One column at one context (in a child process): temp, compile and call seconds, sampled gradients."""
+    import jax
+
+    from hlopass.config import device_memory_bytes
+    from hlopass.sizes import format_size
+    from tools import harness
     params, emb = init(jax.random.key(0), layers, width, state)
     tokens = jax.random.randint(jax.random.key(1), (T + 1,), 0, VOCAB)
     args = (params, emb, tokens)
+    row: dict = dict(column=column_name(column, T), context=T, status="ok")
+    fn = build(column, T, limit)
+    try:
+        _, compiled, compile_s = harness.compile_timed(fn, args)
+    except Exception as err:  # noqa: BLE001 - a column that cannot compile is a row that says so
+        row.update(status="failed", error=harness.short_error(err))
+        return row
+    temp = harness.temp_bytes(compiled)
+    row.update(temp_bytes=temp, temp=format_size(temp), compile_s=round(compile_s, 3))
+    if limit is not None:
+        row["memory_limit"] = format_size(limit)
+    if column in ("adjoint", "remat"):
+        row["report"] = [str(r) for r in fn.trace(*args).report.rewrites]
     budget = device_memory_bytes() // 3
-    grad = jax.grad(make_loss(), argnums=(0, 1))
-    rows, grads = [], {}
-    row, grads["plain"] = column("plain", jax.jit(grad), args, repeat, budget)
-    rows.append(row)
-    k = _block(T)
-    row, grads["ckpt"] = column(f"ckpt sqrt(T) ({k} steps)", jax.jit(jax.grad(make_loss(k), argnums=(0, 1))), args,
-                                repeat, budget)
-    rows.append(row)
-    limit = max(rows[0]["temp_bytes"] // 10, 1 << 20)
-    row, grads["remat"] = column("remat", hlopass.jit(grad, passes="remat", memory_limit=limit), args, repeat, budget)
-    row["memory_limit"] = format_size(limit)
-    rows.append(row)
-    adj = hlopass.jit(grad, passes="adjoint")
-    row, grads["adjoint"] = column("adjoint", adj, args, repeat, budget)
-    row["report"] = [str(r) for r in adj.trace(*args).report.rewrites]
-    rows.append(row)
-    ref_name = "plain" if grads["plain"] is not None else "ckpt"
-    for r, key in zip(rows, ("plain", "ckpt", "remat", "adjoint")):
-        r["context"] = T
-        r["max_rel_diff_vs_" + ref_name] = (None if grads[key] is None or grads[ref_name] is None
-                                            else _rel(grads[key], grads[ref_name]))
-    return rows
+    capped = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
+    if not run or (temp > budget and not capped):   # under a cap the attempt is safe: it is the result
+        row.update(seconds=None, note="compiled only" if not run else f"not run: temp over {format_size(budget)}")
+        return row
+    try:
+        if warmup:
+            harness.block(compiled(*args))
+        times, out = [], None
+        for _ in range(max(repeat, 1)):
+            out, wall, _ = harness.timed(lambda: compiled(*args))
+            times.append(wall)
+    except Exception as err:  # noqa: BLE001 - out of memory under the cap is a result
+        row.update(status="failed", seconds=None, error=harness.short_error(err))
+        return row
+    row.update(seconds=sorted(times)[len(times) // 2], calls=len(times), warmup=warmup,
+               sample=harness.sample(out, SAMPLES))
+    return row
+
+
+def run(T: int, a, cap: int | None) -> list[dict]:
+    """Every column at context ``T``, each in a child process."""
+    from tools import harness
+    long = T >= a.long_from
+    capped = cap is not None and T >= a.capped_from
+    rows: dict[str, dict] = {}
+    limit = None
+    for column in a.columns:
+        if column == "remat":
+            plain_temp = rows.get("plain", {}).get("temp_bytes")
+            limit = max(plain_temp // 10, 1 << 20) if plain_temp else None
+        runs = not capped or column in ("plain", "adjoint")
+        flags = ["--child", column, "--contexts", str(T), "--layers", str(a.layers), "--width", str(a.width),
+                 "--state", str(a.state), "--repeat", str(1 if long else a.repeat)]
+        flags += ([] if runs else ["--compile-only"]) + ([] if not long else ["--no-warmup"])
+        flags += ["--limit", str(limit)] if column == "remat" and limit else []
+        started = time.perf_counter()
+        result = harness.run_capped(harness.module_argv("bench_adjoint", *flags),
+                                    cap if capped and runs else None, timeout=a.timeout)
+        result.setdefault("column", column_name(column, T))
+        result.setdefault("context", T)
+        result["child_seconds"] = round(time.perf_counter() - started, 1)
+        if capped and runs:
+            result["cap"] = a.cap
+        rows[column] = result
+        print(f"| {T} | {result['column']} | {result.get('status')} | temp {result.get('temp', '-')} | "
+              f"compile {result.get('compile_s', '-')} s | {result.get('seconds') or '-'} s | "
+              f"{result.get('error', result.get('note', ''))[:80]} |", flush=True)
+    ref = "plain" if rows.get("plain", {}).get("sample") else "ckpt"
+    for column, row in rows.items():
+        want = rows.get(ref, {}).get("sample")
+        row["max_rel_diff_vs_" + ref] = harness.sample_difference(row.get("sample"), want) if want else None
+    return [harness.without([row], "sample")[0] for row in rows.values()]
 
 
 def main(argv=None):
+    from hlopass.sizes import parse_size
+    from tools import harness
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288])
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--state", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run (context 256, width 16)")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "adjoint.json"))
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--long-from", type=int, default=131072)
+    ap.add_argument("--capped-from", type=int, default=524288)
+    ap.add_argument("--cap", default="4GB")
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run (contexts 256 and 512, width 16)")
+    ap.add_argument("--json", default=os.path.join(harness.RESULTS, "adjoint.json"))
+    ap.add_argument("--child", choices=COLUMNS, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.child:
+        harness.report_result(child(a.child, a.contexts[0], a.layers, a.width, a.state, a.repeat,
+                                    not a.compile_only, not a.no_warmup, a.limit))
+        return
     if a.tiny:
-        a.contexts, a.layers, a.width, a.state, a.repeat = [256], 2, 16, 4, 1
+        a.contexts, a.layers, a.width, a.state, a.repeat = [256, 512], 2, 16, 4, 1
+        a.capped_from, a.long_from = 512, 512
     rows = []
     for T in a.contexts:
-        for r in run(T, a.layers, a.width, a.state, a.repeat):
-            rows.append(r)
-            secs = "-" if r["seconds"] is None else f"{r['seconds']:.3f} s"
-            diff = {k: v for k, v in r.items() if k.startswith("max_rel_diff")}
-            print(f"| {T} | {r['column']} | temp {r['temp']} | compile {r['compile_s']} s | {secs} | {diff} |",
-                  flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(dict(layers=a.layers, width=a.width, state=a.state, device=jax.devices()[0].device_kind,
-                       rows=rows), f, indent=1)
+        rows += run(T, a, parse_size(a.cap, "--cap"))
+    import jax
+    harness.write_json(a.json, dict(layers=a.layers, width=a.width, state=a.state, device=jax.devices()[0].device_kind,
+                                    cores=os.cpu_count(), load_average=list(os.getloadavg()), rows=rows), indent=1)
 
 
 if __name__ == "__main__":

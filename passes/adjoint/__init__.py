@@ -8,22 +8,38 @@ step), where ``a``, ``b``, ``A`` and the readout may depend on the step's
 inputs (selective models) and on parameters. Linearity is checked on the
 scan body's jaxpr: the carry's tangent map (a JVP of the body) must not read
 the carry (:mod:`.recurrence`); a carry that is an elementwise multiple of
-itself is diagonal, anything else linear is dense.
+itself is diagonal, anything else linear is dense. Also ``lax.associative_scan``
+with the combine of ``h_t = a_t h_{t-1} + b_t`` (:mod:`.associative`, checked
+numerically), and, around the scans, the *time region* (:mod:`.stack`): the
+equations that act on each row of the time axis alone (embedding lookups,
+residual ``tanh``, projections, row-wise ``log_softmax``), the other layers'
+recurrences of the same length, and sums over time that end it (the loss).
 
-Emits: a ``custom_vjp`` function (:mod:`.emit`) whose forward pass runs the
-scan and keeps only the carry every K steps (K about sqrt(T), smaller under
-``config.memory_limit``; ``AdjointPass(chunk=K)`` fixes it), and whose
-backward pass, chunk by chunk, recomputes the chunk's states, solves the
-adjoint recursion ``mu_{t-1} = A_t^T mu_t + C_t^T g_t`` backwards (an
-associative scan for a diagonal recurrence, sequential for a dense one) and
-takes every step's VJP with respect to its inputs and the parameters at once
-(batched over the chunk). Gradients equal ``jax.grad`` of the program as
-written up to floating-point reordering; across stacked layers JAX
-backpropagates as usual. The report (:mod:`.rewrite`) names each recurrence
-(source line), its form, K and the memory saved. ``AdjointPass(truncate=T)``
-(opt-in) stops the adjoint after at most T steps back: an approximate
-gradient, said in the report; with checks on (``HLOPASS_CHECK_PASSES=1``)
-the backward pass also computes the exact gradient and logs by how much the
+Emits: for a time region, one ``lax.scan`` over chunks of K rows whose body
+(under ``jax.checkpoint``) runs the region on the chunk, each recurrence in it
+an adjoint scan of the chunk, the carry being the layers' states and the
+running sums: JAX backpropagates across layers chunk by chunk and keeps only
+the states at chunk boundaries, so memory no longer grows with T times the
+width (stacked layers: backpropagation across layers as usual, the adjoint
+along time within a layer). K balances the states kept at the boundaries
+against a chunk's bytes, measured per step on the jaxpr, at most an eighth of
+``config.memory_limit`` for the chunk, a divisor of T where one is near;
+``AdjointPass(chunk=K)`` fixes it. A scan outside any region becomes a
+``custom_vjp`` (:mod:`.emit`) whose forward pass keeps only the carry every K
+steps and whose backward pass, chunk by chunk, recomputes the chunk's states,
+solves the adjoint recursion ``mu_{t-1} = A_t^T mu_t + C_t^T g_t`` backwards
+(an associative scan for a diagonal recurrence, sequential for a dense one)
+and takes every step's VJP at once (batched over the chunk). With
+``AdjointPass(sequence_axis="x")`` a diagonal recurrence whose length the
+mesh axis divides runs as a ``shard_map`` (:mod:`.sharded`): each device its
+rows' adjoint scan, one state passed per device boundary each way, one
+``psum`` per parameter. Gradients equal ``jax.grad`` of the program as written
+up to floating-point reordering. The report (:mod:`.rewrite`) names each
+recurrence (source line), its form, K, what it was chunked with and the
+memory saved. ``AdjointPass(truncate=T)`` (opt-in, never with time regions or
+sharding) stops the adjoint after at most T steps back: an approximate
+gradient, said in the report; with checks on (``HLOPASS_CHECK_PASSES=1``) the
+backward pass also computes the exact gradient and logs by how much the
 truncated one differs (``truncation_errors``).
 
 Leaves alone: scans whose carry update is not linear in the carry
@@ -32,15 +48,20 @@ the state with itself), integer or boolean carries (counters), reverse
 scans, scans with side effects, scans inside ``custom_jvp``/``custom_vjp``
 bodies (JAX differentiates those by their rules) and programs never
 differentiated in reverse mode: each such scan is named in the report with
-the reason. ``lax.associative_scan`` (already a log-depth tree of slices,
-adds and multiplies, not a scan) and Python loops (unrolled chains) are not
-matched.
+the reason. Equations that mix rows of the time axis (a shift, a cumulative
+sum over time, a transpose of it) end a time region. Other
+``lax.associative_scan`` combines are called as written; Python loops
+unrolled into chains of steps are not matched (no scan to find). Options on
+a program whose gradient holds no scan are a report line; bad option values
+a ``hlopass.ConfigError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from typing import Any
 
 import jax
 from hlopass import internals as jx
@@ -51,6 +72,7 @@ from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 
 from .rewrite import NAME, rewrite_scans, truncation_errors
+from .associative import intercept as intercept_associative
 from .trace import intercept_gradients
 
 __all__ = ["AdjointPass", "AdjointOptions", "truncation_errors"]
@@ -71,12 +93,22 @@ class AdjointOptions:
     #: Stop the adjoint recursion after at most this many steps back (approximate gradient); ``None``
     #: for the exact gradient.
     truncate: int | None = None
-    #: Steps per chunk (K); ``None`` chooses about sqrt(T), fewer under the memory limit.
+    #: Steps per chunk (K); ``None`` balances the states kept at chunk boundaries against a chunk's
+    #: per-step bytes (about sqrt(T * carry / step)), fewer under the memory limit.
     chunk: int | None = None
+    #: The mesh axis the time axis is sharded over (``None``: one device); see :mod:`.sharded`.
+    sequence_axis: str | None = None
+    #: The mesh holding ``sequence_axis``; ``None``: the one set with ``jax.set_mesh``.
+    mesh: Any = None
 
     def __post_init__(self):
         _positive_int("truncate", self.truncate)
         _positive_int("chunk", self.chunk)
+        if self.sequence_axis is not None and (not isinstance(self.sequence_axis, str) or not self.sequence_axis):
+            raise ConfigError(f"AdjointPass option sequence_axis={self.sequence_axis!r} is invalid: accepted "
+                              f"values are None (one device) or the name of a mesh axis ('x')")
+        if self.sequence_axis is not None and self.truncate is not None:
+            raise ConfigError("AdjointPass options truncate= and sequence_axis= cannot be combined")
 
 
 def _checks_on() -> bool:
@@ -106,9 +138,15 @@ class AdjointPass(Pass):
                               f"no scan in the differentiated program: options {self!r} have no effect",
                               "options"))
 
+    @contextlib.contextmanager
     def trace_context(self, config: Config, notes: list[Note]):
-        """``jax.grad`` inside the hlopass function: linear recurrences get adjoint VJPs while tracing."""
-        return intercept_gradients(notes, config.memory_limit, self.options, _checks_on())
+        """``jax.grad`` inside the hlopass function: linear recurrences get adjoint VJPs while tracing.
+        Options given for a function whose gradients hold no scan are a report line."""
+        with intercept_gradients(notes, config.memory_limit, self.options, _checks_on()) as differentiated, \
+                intercept_associative(notes):
+            yield
+        if differentiated:
+            self._no_recurrence(None, notes)
 
     def before_linearize(self, closed: jx.ClosedJaxpr, config: Config, notes: list[Note]) -> jx.ClosedJaxpr:
         """``jax.grad`` of a hlopass function: replace its linear recurrences before JAX linearises it."""

@@ -35,12 +35,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from hlopass import internals as jx
 
 logger = logging.getLogger("hlopass")
 
 
 def _zeros(x):
-    return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+    return jnp.zeros_like(x)     # keeps the value's type across a mesh (varying axes in shard_map)
+
+
+def _values_mesh(tree):
+    """The manual mesh the values of ``tree`` live on when it is not the context's (a backward pass
+    traced inside a ``shard_map``'s transpose), to be entered; else a null context."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        manual = getattr(mesh, "manual_axes", None)
+        if manual and mesh != jax.sharding.get_abstract_mesh():
+            return jx.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
 
 
 def _inexact(x) -> bool:
@@ -54,6 +66,11 @@ def _split(xs: Sequence, n: int, k: int):
     return full, rest
 
 
+#: JAX's associative scan, taken when this module is imported: the adjoint pass replaces
+#: ``jax.lax.associative_scan`` while it traces, and this machinery's own scans are not the user's.
+_associative_scan = lax.associative_scan
+
+
 def _affine_reverse(alphas, sigmas, mu_end):
     """``m_j = alpha_{j+1} m_{j+1} + sigma_{j+1}`` backwards from ``m_{K-1} = mu_end``, as an associative scan."""
     alpha = jnp.concatenate([alphas[1:], jnp.zeros_like(alphas[:1])], 0)
@@ -63,7 +80,7 @@ def _affine_reverse(alphas, sigmas, mu_end):
         a_l, s_l = later
         a_e, s_e = earlier
         return a_e * a_l, a_e * s_l + s_e
-    return lax.associative_scan(combine, (alpha, sigma), reverse=True)[1]
+    return _associative_scan(combine, (alpha, sigma), reverse=True)[1]
 
 
 def adjoint_scan(step: Callable, num_consts: int, num_carry: int, length: int, chunk: int, form: str,
@@ -172,7 +189,7 @@ def adjoint_scan(step: Callable, num_consts: int, num_carry: int, length: int, c
         return (*h, *ys), (consts, xs, starts, last_start)
 
     def f_bwd(res, cts):
-        with guard():
+        with guard(), _values_mesh(res):
             return _bwd(res, cts)
 
     def _bwd(res, cts):

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from hlopass import internals as jx
 
 from hlopass.interpreter import inline_calls
-from hlopass.jaxpr_utils import aval_nbytes
+from hlopass.families import CALLS, INLINABLE
+from hlopass.jaxpr_utils import aval_nbytes, call_body
 
 #: Primitives through which a carry's tangent stays an elementwise multiple of itself.
 _DIAGONAL_OPS = frozenset({"mul", "neg", "add", "add_any", "sub", "convert_element_type", "copy", "copy_p",
@@ -43,9 +44,37 @@ class Recurrence:
     step_bytes: int = 0    # bytes of one step's intermediates (what plain reverse mode may keep)
 
 
-def body_function(body: jx.ClosedJaxpr, num_consts: int, num_carry: int):
-    """``(consts, carry, xs_t) -> (carry', ys_t)`` (lists) evaluating the scan body as written."""
-    fun = jx.jaxpr_as_fun(body)
+def _eval_in_context(closed: jx.ClosedJaxpr):
+    """``jaxpr_as_fun`` without each equation's own trace-time context (its mesh) and global
+    shardings (``sharding=``/``out_sharding=`` params), calls evaluated inline the same way: for a
+    body evaluated inside a ``shard_map``, whose values live on the manual mesh (a call re-entering
+    the trace-time mesh would not fit them)."""
+    jaxpr = closed.jaxpr
+
+    def fun(*args):
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+        read = lambda a: a.val if isinstance(a, jx.Literal) else env[a]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            body = call_body(eqn) if eqn.primitive.name in CALLS else None
+            if body is not None:
+                outs = _eval_in_context(body)(*map(read, eqn.invars))
+            else:
+                params = {k: (None if k in ("sharding", "out_sharding") else v) for k, v in eqn.params.items()}
+                out = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(params))
+                outs = out if eqn.primitive.multiple_results else [out]
+            env.update((v, o) for v, o in zip(eqn.outvars, outs) if not isinstance(v, jx.DropVar))
+        return [read(v) for v in jaxpr.outvars]
+    return fun
+
+
+def body_function(body: jx.ClosedJaxpr, num_consts: int, num_carry: int, own_context: bool = True):
+    """``(consts, carry, xs_t) -> (carry', ys_t)`` (lists) evaluating the scan body as written
+    (``own_context=False``: in the caller's mesh context, as inside a ``shard_map``)."""
+    if own_context:
+        fun = jx.jaxpr_as_fun(body)
+    else:   # custom-derivative calls as their primal: their rules re-enter the trace-time mesh
+        fun = _eval_in_context(inline_calls(body, INLINABLE, deep=True))
 
     def step(consts: Sequence, carry: Sequence, xs: Sequence):
         outs = fun(*consts, *carry, *xs)

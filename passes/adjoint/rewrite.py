@@ -9,14 +9,16 @@ import threading
 
 from hlopass import internals as jx
 
-from hlopass.families import CUSTOM_DERIVATIVE_CALLS
-from hlopass.interpreter import Replacement, rewrite, rewrite_nested
+from hlopass.families import CALLS, CUSTOM_DERIVATIVE_CALLS
+from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
 from hlopass.jaxpr_utils import iter_eqns, subjaxprs
 from hlopass.report import Note, source_line
 from hlopass.sizes import format_size
 
 from .emit import adjoint_scan
+from .sharded import context_mesh, mesh_axis_size, sharded_adjoint_scan
 from .recurrence import Recurrence, body_function, classify
+from .stack import Region, balanced_chunk, chunked_region, find_region, near_divisor
 
 logger = logging.getLogger("hlopass")
 
@@ -44,14 +46,11 @@ def own_machinery():
 
 
 def chunk_length(length: int, rec: Recurrence, memory_limit: int | None, chunk: int | None) -> int:
-    """K: the option if given, else about sqrt(T) steps, smaller when K steps of the body's
-    intermediates would take more than an eighth of the memory limit."""
-    if chunk is not None:
-        return max(1, min(chunk, length))
-    k = math.ceil(math.sqrt(length))
-    if memory_limit is not None and rec.step_bytes:
-        k = min(k, max(1, memory_limit // (8 * rec.step_bytes)))
-    return max(1, min(k, length))
+    """K for one scan: the option if given, else the K that balances the carries kept at chunk
+    boundaries (``T/K`` of them) against one chunk's intermediates (``K`` steps of the body's,
+    measured on its jaxpr), at most an eighth of the memory limit for the chunk; a divisor of T
+    near it when there is one (no partial last chunk)."""
+    return balanced_chunk(length, rec.carry_bytes, rec.step_bytes, memory_limit, chunk)
 
 
 def _not_differentiated(closed: jx.ClosedJaxpr) -> set[int]:
@@ -92,12 +91,41 @@ def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
     return summary, details
 
 
+def _describe_region(jaxpr, region: Region, k: int) -> list[tuple[int, str, tuple]]:
+    """One (eqn index, summary, details) per recurrence of ``region`` chunked with ``k`` rows."""
+    T = region.length
+    n_kept = -(-T // k)
+    kept = n_kept * region.carry_bytes
+    plain = T * region.row_bytes
+    ours = kept + k * region.row_bytes
+    others = len(region.scans) - 1
+    rows = sum(1 for i in region.eqns if region.kinds[i] != "scan")
+    out = []
+    for i, rec in region.scans.items():
+        form = {"diagonal": "diagonal (h' = a*h + b)", "complex": "complex diagonal (h' = a*h + b, a complex)",
+                "dense": "dense (h' = A h + b)"}[rec.form]
+        solver = "associative scan" if rec.form in ("diagonal", "complex") else "sequential scan"
+        summary = (f"linear recurrence over {T} steps, {form}: gradient by the adjoint method (adjoint states "
+                   f"by {solver}, per-step VJPs batched over the chunk) in time chunks of {k} steps together "
+                   f"with {others} other recurrence{'s' if others != 1 else ''} and {rows} row-wise equations "
+                   f"(layers backpropagated chunk by chunk); keeps the states every {k} steps "
+                   f"({format_size(kept)}) instead of every step's intermediates and T-row values "
+                   f"(up to {format_size(plain)}): saves up to {format_size(max(plain - ours, 0))}")
+        details = (("form", rec.form), ("length", T), ("chunk", k), ("kept_bytes", kept), ("plain_bytes", plain),
+                   ("saved_bytes", max(plain - ours, 0)), ("truncate", None), ("stacked", len(region.scans)),
+                   ("row_equations", rows))
+        out.append((i, summary, details))
+    return out
+
+
 def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Note],
                   check: bool = False) -> jx.ClosedJaxpr:
     """Replace every linear-recurrence scan of ``closed`` (at any depth outside custom-derivative
     bodies) by an adjoint scan; ``closed`` itself when there is none. Findings go to ``notes``."""
     if not any(e.primitive.name == "scan" for e in iter_eqns(closed.jaxpr)):
         return closed
+    original = closed
+    closed = inline_calls(closed, CALLS)     # scans in jitted layers join the time regions around them
     skipped = _not_differentiated(closed)
 
     def add(note: Note):
@@ -108,17 +136,39 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
         if id(c.jaxpr) in skipped:
             return c
         reps = []
+        found: dict[int, Recurrence] = {}
         for i, eqn in enumerate(c.jaxpr.eqns):
             if eqn.primitive.name != "scan":
                 continue
-            site = source_line(eqn)
             try:
                 rec = classify(eqn)
             except Exception as err:  # noqa: BLE001 - an unknown body is left alone, never a crash
                 rec = Recurrence(None, f"its body could not be analysed ({type(err).__name__}: {err})")
             if rec.form is None:
-                add(Note(NAME, "skip", site, rec.reason, "scan"))
+                add(Note(NAME, "skip", source_line(eqn), rec.reason, "scan"))
                 continue
+            found[i] = rec
+        in_region: set[int] = set()
+        if options.truncate is None and options.sequence_axis is None:
+            for length in sorted({c.jaxpr.eqns[i].params["length"] for i in found}, reverse=True):
+                region = find_region(c.jaxpr, length, {i: r for i, r in found.items()
+                                                       if c.jaxpr.eqns[i].params["length"] == length
+                                                       and i not in in_region})
+                if region is None or len(region.eqns) < 2 or in_region & set(region.eqns):
+                    continue
+                k = balanced_chunk(length, region.carry_bytes, region.row_bytes, memory_limit, options.chunk)
+                build = chunked_region(c.jaxpr, region, k, own_machinery)
+                reps.append(Replacement(list(region.eqns), region.sources + region.invariants,
+                                        region.rows_out + region.finals, build,
+                                        anchor=min(region.scans)))
+                in_region.update(region.eqns)
+                for i, summary, details in _describe_region(c.jaxpr, region, k):
+                    add(Note(NAME, "adjoint_scan", source_line(c.jaxpr.eqns[i]), summary, "scan", details))
+        for i, rec in found.items():
+            if i in in_region:
+                continue
+            eqn = c.jaxpr.eqns[i]
+            site = source_line(eqn)
             params = eqn.params
             nc, nk = jx.scan_num_consts(params), jx.scan_num_carry(params)
             k = chunk_length(params["length"], rec, memory_limit, options.chunk)
@@ -131,12 +181,38 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                     truncation_errors[site] = float(rel)
                     logger.info("hlopass: adjoint at %s: truncated gradient differs from the exact one by "
                                 "%.3g (relative)", site, float(rel))
-            fun = adjoint_scan(body_function(params["jaxpr"], nc, nk), nc, nk, params["length"], k, rec.form,
-                               truncate=options.truncate, on_truncation=on_trunc, guard=own_machinery)
+            fun = None
+            if options.sequence_axis is not None:
+                mesh = options.mesh if options.mesh is not None else context_mesh()
+                devices = mesh_axis_size(mesh, options.sequence_axis)
+                why = ("no mesh with that axis is set" if devices is None else
+                       "dense recurrences are not sharded (their per-device map is a matrix)" if rec.form == "dense"
+                       else "complex recurrences are not sharded (XLA 0.10's CPU compiler fails on them in a "
+                       "shard_map)" if rec.form == "complex"
+                       else f"{params['length']} steps do not split evenly over {devices} devices"
+                       if params["length"] % devices else None)
+                if why is None:
+                    rows = params["length"] // devices
+                    k = chunk_length(rows, rec, memory_limit, options.chunk)
+                    fun = sharded_adjoint_scan(body_function(params["jaxpr"], nc, nk, own_context=False), nc, nk,
+                                               len(eqn.invars) - nc - nk, params["length"], k, rec.form, mesh,
+                                               options.sequence_axis, own_machinery)
+                    summary, details = _describe(eqn, rec, k, options)
+                    summary += (f"; time axis sharded over mesh axis {options.sequence_axis!r} ({devices} devices, "
+                                f"{rows} steps each; one state per device boundary, parameter cotangents summed "
+                                f"by one psum each)")
+                    details = details + (("devices", devices),)
+                else:
+                    add(Note(NAME, "skip", site, f"not sharded over {options.sequence_axis!r}: {why}; "
+                             f"one device's adjoint scan instead", "scan"))
+            if fun is None:
+                fun = adjoint_scan(body_function(params["jaxpr"], nc, nk), nc, nk, params["length"], k, rec.form,
+                                   truncate=options.truncate, on_truncation=on_trunc, guard=own_machinery)
             reps.append(Replacement([i], list(eqn.invars), list(eqn.outvars),
                                     lambda *vals, fun=fun: fun(*vals), anchor=i))
             add(Note(NAME, "adjoint_scan", site, summary, "scan", details))
         return rewrite(c, reps) if reps else c
 
     with own_machinery():
-        return rewrite_nested(closed, level)
+        new = rewrite_nested(closed, level)
+    return original if new is closed else new

@@ -45,7 +45,8 @@ def _patched(original: Callable) -> Callable:
             if tracing is not None and in_machinery():
                 _state.nested = getattr(_state, "nested", 0) + 1  # seen by a probe around it
             return original(fun, *primals, has_aux=has_aux, **kwargs)
-        notes, memory_limit, options, check = tracing
+        notes, memory_limit, options, check, seen = tracing
+        seen.append(getattr(fun, "__name__", "a function"))
         nested_before = getattr(_state, "nested", 0)
         with own_machinery():  # a probe at the current depth: does ``fun`` hold a linear recurrence?
             probe, shape = jax.make_jaxpr(fun, return_shape=True)(*primals)
@@ -86,11 +87,13 @@ _PATCHES = Patches(_targets, lambda module, name, current: _patched(current))
 @contextlib.contextmanager
 def intercept_gradients(notes: list[Note], memory_limit, options, check: bool):
     """While active (in this thread), reverse-mode derivatives of functions with linear recurrences
-    are taken by the adjoint method; findings go to ``notes``."""
+    are taken by the adjoint method; findings go to ``notes``. Yields the list of the names of the
+    functions differentiated meanwhile."""
+    seen: list[str] = []
     with _PATCHES.active():
         outer = getattr(_state, "tracing", None)
-        _state.tracing = (notes, memory_limit, options, check)
+        _state.tracing = (notes, memory_limit, options, check, seen)
         try:
-            yield
+            yield seen
         finally:
             _state.tracing = outer

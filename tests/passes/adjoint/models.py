@@ -86,3 +86,60 @@ def stacked_loss(params, h0s, xs):
         ys = jnp.tanh(ys) + xs
         total = total + jnp.sum(h)
     return jnp.mean(ys ** 2) + 0.1 * total
+
+
+def lm_stack(params, emb, tokens):
+    """A small language model: embedding, diagonal selective layers joined by residual ``tanh``,
+    logits against the embedding, next-token cross-entropy (the benchmark's shape, small)."""
+    x = emb[tokens[:-1]]
+    for w_dt, a_log, w_b, w_c in params:
+        def body(h, x_t, w_dt=w_dt, a_log=a_log, w_b=w_b, w_c=w_c):
+            dt = jax.nn.softplus(x_t @ w_dt)
+            h = jnp.exp(-dt[:, None] * jnp.exp(a_log)) * h + (dt * x_t)[:, None] * (x_t @ w_b)[None, :]
+            return h, h @ (x_t @ w_c)
+        _, y = lax.scan(body, jnp.zeros((x.shape[1], w_b.shape[1]), x.dtype), x)
+        x = x + jnp.tanh(y)
+    logits = x @ emb.T
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[1:, None], 1))
+
+
+def lm_params(key, layers, width, state, vocab, dtype):
+    ks = jax.random.split(key, 4 * layers + 1)
+    params = [tuple((s * jax.random.normal(ks[4 * i + j], shape)).astype(dtype)
+                    for j, (s, shape) in enumerate([(0.3, (width, width)), (0.5, (width, state)),
+                                                    (0.3, (width, state)), (0.3, (width, state))]))
+              for i in range(layers)]
+    return params, (0.5 * jax.random.normal(ks[-1], (vocab, width))).astype(dtype)
+
+
+def shifted_layers(params, h0, xs):
+    """Two diagonal layers with a shift of the time axis between them (rows mixed: two regions)."""
+    h, ys = diagonal(params, h0, xs)
+    ys = jnp.concatenate([jnp.zeros_like(ys[:1]), ys[:-1]], 0) + xs
+    h2, ys2 = diagonal(params, h, ys)
+    return jnp.sum(ys2 ** 2) + jnp.sum(jnp.cumsum(ys, 0)[-1]) + jnp.sum(h2)
+
+
+def affine_combine(x, y):
+    """The combine of ``h_t = a_t * h_{t-1} + b_t`` for ``lax.associative_scan`` (``a`` over ``b``'s
+    leading axes)."""
+    a1, b1 = x
+    a2, b2 = y
+    return a1 * a2, a2.reshape(a2.shape + (1,) * (b1.ndim - a2.ndim)) * b1 + b2
+
+
+def selective_parallel(params, x, axis=0, reverse=False):
+    """A selective scan in parallel form: decay and input from ``x`` (time on ``axis``), readout."""
+    w_a, w_c = params
+    a = jax.nn.sigmoid(x @ w_a)                                   # (..., N)
+    b = jnp.sin(x)[..., None, :] * (1.0 - a)[..., None]           # (..., N, P)
+    t_axis = axis % x.ndim
+    A, h = lax.associative_scan(affine_combine, (a, b), reverse=reverse, axis=t_axis)
+    return jnp.sum(jnp.einsum("...np,pn->...", h, w_c) ** 2) + 0.1 * jnp.sum(A)
+
+
+def maxplus(params, x):
+    """A max-plus scan (not a linear recurrence): left alone."""
+    w, = params
+    v = x @ w
+    return jnp.sum(lax.associative_scan(jnp.maximum, v) ** 2)

@@ -1,0 +1,105 @@
+"""Cases for the sharded adjoint scan, run on 4 host devices in a child process
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4``): ``python -m tests.passes.adjoint.sharded_cases NAME...``
+prints one ``ROW {json}`` line per case."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import hlopass
+from hlopass.passes.adjoint import AdjointPass
+
+from tests.passes.adjoint import models
+from tests.passes.adjoint.test_adjoint import problem
+
+
+def _rel(got, want) -> float:
+    return max(float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) / max(float(np.max(np.abs(np.asarray(w)))), 1e-30)
+               for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+
+
+def _report(f, *args):
+    report = f.trace(*args).report
+    return ([str(r) for r in report.rewrites], [str(s) for s in report.skipped])
+
+
+def layer_case(name: str, T: int, dtype: str) -> dict:
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.enable_x64(dtype == "float64") if dtype == "float64" else contextlib.nullcontext():
+        layer, params, h0, xs = problem(name, T, dtype)
+        loss = models.loss_of(layer)
+        grad = jax.grad(loss, (0, 1, 2))
+        want = jax.jit(grad)(params, h0, xs)
+        xs_s = xs if T % 4 else jax.device_put(xs, NamedSharding(mesh, P("x")))
+        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
+        got = f(params, h0, xs_s)
+        rewrites, skips = _report(f, params, h0, xs_s)
+        return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
+
+
+def lm_case() -> dict:
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.enable_x64(True):
+        params, emb = models.lm_params(jax.random.key(0), 3, 6, 3, 11, "float64")
+        tokens = jax.random.randint(jax.random.key(1), (65,), 0, 11)
+        grad = jax.grad(models.lm_stack, (0, 1))
+        want = jax.jit(grad)(params, emb, tokens)
+        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
+        got = f(params, emb, tokens)
+        rewrites, skips = _report(f, params, emb, tokens)
+    return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
+
+
+def memory_case(T: int = 8192, repeat: int = 2) -> dict:
+    """One wide diagonal layer: per-device temp and time, sharded over 4 devices vs one device."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    k = jax.random.split(jax.random.key(0), 4)
+    P_, N = 64, 16
+    params = tuple(0.2 * jax.random.normal(k[i], (P_, N)) for i in range(3))
+    h0, xs = jnp.zeros((N, P_)), jax.random.normal(k[3], (T, P_))
+    grad = jax.grad(models.loss_of(models.diagonal), (0, 1, 2))
+    row = {}
+    columns = {"plain": (jax.jit(grad), xs), "one_device": (hlopass.jit(grad, passes="adjoint"), xs)}
+    xs_s = jax.device_put(xs, NamedSharding(mesh, P("x")))
+    columns["sharded"] = (hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)]), xs_s)
+    outs = {}
+    if True:
+        for name, (fn, x) in columns.items():
+            compiled = fn.lower(params, h0, x).compile()
+            row[f"temp_{name}"] = int(compiled.memory_analysis().temp_size_in_bytes)
+            outs[name] = jax.block_until_ready(compiled(params, h0, x))
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(params, h0, x))
+                times.append(time.perf_counter() - t0)
+            row[f"seconds_{name}"] = min(times)
+            if name == "sharded":
+                row["all_reduces"] = compiled.as_text().count("all-reduce(")
+    row["error"] = _rel(outs["sharded"], outs["plain"])
+    return row
+
+
+CASES = {
+    "diagonal_f32": lambda: layer_case("diagonal", 64, "float32"),
+    "diagonal_f64": lambda: layer_case("diagonal", 92, "float64"),
+    "complex_f32": lambda: layer_case("complex", 64, "float32"),
+    "dense_f32": lambda: layer_case("dense_shared", 64, "float32"),
+    "indivisible": lambda: layer_case("diagonal", 30, "float32"),
+    "lm_f64": lm_case,
+    "memory": memory_case,
+}
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 4, jax.devices()
+    for name in sys.argv[1:]:
+        print("ROW " + json.dumps(CASES[name]()), flush=True)
