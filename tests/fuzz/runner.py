@@ -219,6 +219,37 @@ class ReplayDraw(RandomDraw):
         return bool(self._next(2))
 
 
+def primitive_families(program: Program) -> list[str]:
+    """The primitive families (``hlopass.families``, coarser where it has none) of the equations of
+    ``program``, sub-programs walked into."""
+    from hlopass import families as fam
+    named = [("custom derivative", fam.CUSTOM_DERIVATIVE_CALLS), ("control flow", fam.CONTROL_FLOW),
+             ("cumulative", set(fam.CUMULATIVE)), ("reduction", set(fam.REDUCTIONS) | fam.ARG_REDUCTIONS),
+             ("contraction", {"dot_general"}), ("linear algebra", {"triangular_solve", "cholesky", "lu", "qr",
+                                                                   "eigh", "svd", "custom_linear_solve"}),
+             ("indexing", {"gather", "scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+                           "scatter_max", "dynamic_slice", "dynamic_update_slice", "slice", "pad", "concatenate"}),
+             ("sorting", {"sort", "top_k"}), ("layout", fam.LAYOUT), ("elementwise", fam.ELEMENTWISE)]
+    seen: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            seen.add(next((label for label, names in named if name in names), "other"))
+            for value in eqn.params.values():
+                for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
+                    elif hasattr(sub, "eqns"):
+                        walk(sub)
+    try:
+        walk(jax.make_jaxpr(program.fn)(*program.make_inputs()).jaxpr)
+    except Exception:  # noqa: BLE001 - a program that cannot be traced alone: unknown
+        return []
+    return sorted(seen)
+
+
 def failure_kind(failure: dict) -> str:
     """What a failure is: ``value mismatch``, ``gradient mismatch``, ``pass skipped`` (a pass raised:
     a user's run would skip it, and name it in the report), ``crash`` (anything else raised) or
@@ -256,6 +287,8 @@ def minimise(seed, index: int, size: int = BATCH_SIZE, devices: int = 1, budget_
             break
         attempt += 1
 
+    rewrites = {}
+
     def failing(choices):
         candidate = draw_batch(seed, size, only=index, devices=devices, choices=choices)
         program = candidate.programs[0]
@@ -263,6 +296,8 @@ def minimise(seed, index: int, size: int = BATCH_SIZE, devices: int = 1, budget_
             return None
         with jax.enable_x64(candidate.x64):
             result = check_batch(candidate, isolate=False)
+        if result["failures"]:
+            rewrites[tuple(choices)] = dict(result["rewrites"])
         return result["failures"][0] if result["failures"] else None
 
     best = list(recorder.choices)
@@ -293,10 +328,13 @@ def minimise(seed, index: int, size: int = BATCH_SIZE, devices: int = 1, budget_
     program = draw_batch(seed, size, only=index, devices=devices, choices=best).programs[0]
     used = ReplayDraw(best)
     draw_program(used, batch.threshold, x64=batch.x64, frontier=vocabulary(seed) >= 2)
+    fired = rewrites.get(tuple(best), {})
     best = best[:used.used]
     text = ",".join(map(str, best))
+    with jax.enable_x64(batch.x64):
+        families = primitive_families(program)
     return {"choices": best, "program": repr(program), "pieces": list(program.pieces), "problem": found["problem"],
-            "kind": kind, "trials": trials,
+            "kind": kind, "trials": trials, "rewrites": fired, "families": families, "pass": found.get("pass"),
             "reproduce": f"python -m tests.fuzz.runner --seeds {seed} --size {size} --program {index} "
                          f"--choices {text}" + (f" --devices {devices}" if devices > 1 else "") + " -v"}
 
