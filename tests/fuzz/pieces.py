@@ -5,7 +5,9 @@ A random program (see :mod:`tests.fuzz.programs`) is a pipeline of pieces:
     small inputs ─[input]*─▶ x, y ─[expand]─▶ A (large) ─[map]*─▶ A ─[reduce]─▶ out ─[post]*─▶ out
 
 wrapped by at most one ``wrap`` piece; a ``custom`` piece may put ``[map]* ─▶ [reduce]`` inside a
-function with custom derivatives (its rule the true derivative, so the numbers stay those of the program). ``expand`` builds a tensor larger than the threshold from small
+function with custom derivatives (its rule the true derivative, so the numbers stay those of the program);
+a ``frontier`` piece (seeds of the frontier vocabulary only, drawn last) adds a map before the reducer
+or replaces the reducer (see the last table). ``expand`` builds a tensor larger than the threshold from small
 inputs, ``map`` pieces keep it large, ``reduce`` makes it small again: the shape every pass looks for
 (a split region, an expanded distance, a product chain). ``input`` pieces act on the small operands
 before they meet, ``post`` pieces on the small result.
