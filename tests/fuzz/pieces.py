@@ -5,7 +5,9 @@ A random program (see :mod:`tests.fuzz.programs`) is a pipeline of pieces:
     small inputs ─[input]*─▶ x, y ─[expand]─▶ A (large) ─[map]*─▶ A ─[reduce]─▶ out ─[post]*─▶ out
 
 wrapped by at most one ``wrap`` piece; a ``custom`` piece may put ``[map]* ─▶ [reduce]`` inside a
-function with custom derivatives (its rule the true derivative, so the numbers stay those of the program). ``expand`` builds a tensor larger than the threshold from small
+function with custom derivatives (its rule the true derivative, so the numbers stay those of the program);
+a ``frontier`` piece (seeds of the frontier vocabulary only, drawn last) adds a map before the reducer
+or replaces the reducer (see the last table). ``expand`` builds a tensor larger than the threshold from small
 inputs, ``map`` pieces keep it large, ``reduce`` makes it small again: the shape every pass looks for
 (a split region, an expanded distance, a product chain). ``input`` pieces act on the small operands
 before they meet, ``post`` pieces on the small result.
@@ -44,9 +46,15 @@ class Piece:
     exact: bool = True          # keeps grid inputs exact (no transcendentals): index outputs then tie exactly
     indices: bool = False       # produces index outputs (compared exactly)
     weight: float = 1.0         # relative frequency within its role
+    #: frontier pieces: "map" (keeps the large value's shape and dtype, inserted before the reducer) or
+    #: "reduce" (replaces the reducer; drawn only where no post piece reads the reducer's result)
+    stage: str = ""
+    differentiable: bool = True  # reverse-mode differentiable (a while_loop is not)
+    accepts: Callable | None = None  # a predicate on the abstract value it acts on, beside ``ranks``
 
 
-PIECES: dict[str, dict[str, Piece]] = {r: {} for r in ("input", "expand", "map", "reduce", "post", "wrap", "custom")}
+PIECES: dict[str, dict[str, Piece]] = {r: {} for r in ("input", "expand", "map", "reduce", "post", "wrap", "custom",
+                                                         "frontier")}
 
 
 def piece(role: str, name: str, **meta):
@@ -614,3 +622,249 @@ def _ccustom_vjp(r, c):
         inner.defvjp(fwd, bwd)
         return lambda value, args: inner(value, 1, tuple(args))
     return wrap, "custom_vjp(maps+reduce, nondiff scale)"
+
+
+# ------------------------------------------------------------------------------------------- frontier
+# What landed after the tables above were written (issue 28): carried state along a long axis (prefix
+# sums, scans), online softmax/logsumexp whose logits are read elsewhere too (a positive column, a
+# diagonal, a mask), gathers, scatters and segment sums, triangular solves inside a split region,
+# sub-programs (scan, while, cond) and optimal-transport-style custom derivatives. Drawn last, and only
+# for seeds of the frontier vocabulary (``programs.vocabulary``), so that every earlier seed draws the
+# program it drew before. A ``map`` stage keeps the large value's shape and dtype and runs before the
+# reducer; a ``reduce`` stage replaces the reducer where no post piece reads its result.
+def _long_axis(r, shape) -> int:
+    """Mostly the longest axis (where carried state along it matters), else any."""
+    if r.boolean(0.75):
+        return max(range(len(shape)), key=lambda k: shape[k])
+    return _axis(r, len(shape))
+
+
+def _nonempty(aval) -> bool:
+    return all(s > 0 for s in aval.shape)
+
+
+@piece("frontier", "cumsum_long", stage="map")
+def _fcumsum(r, c, aval):
+    axis, reverse = _long_axis(r, aval.shape), r.boolean(0.3)
+    return (lambda v, a: lax.cumsum(v, axis=axis, reverse=reverse)), f"cumsum(axis={axis}, reverse={reverse})"
+
+
+@piece("frontier", "cummax_long", stage="map")
+def _fcummax(r, c, aval):
+    axis, reverse, op = _long_axis(r, aval.shape), r.boolean(0.3), r.choice(["cummax", "cummin"])
+    f = getattr(lax, op)
+    return (lambda v, a: f(v, axis=axis, reverse=reverse)), f"{op}(axis={axis}, reverse={reverse})"
+
+
+@piece("frontier", "cumprod_long", stage="map", dtypes=FLOATS, exact=False)
+def _fcumprod(r, c, aval):
+    axis = _long_axis(r, aval.shape)
+    def fn(v, a):  # factors near one, so the running product neither vanishes nor overflows
+        return lax.cumprod(1 + jnp.asarray(0.01, v.dtype) * jnp.tanh(v), axis=axis)
+    return fn, f"cumprod(1+0.01*tanh(v), axis={axis})"
+
+
+@piece("frontier", "cumlogsumexp_long", stage="map", dtypes=FLOATS, exact=False)
+def _fcumlse(r, c, aval):
+    axis = _long_axis(r, aval.shape)
+    return (lambda v, a: lax.cumlogsumexp(v, axis=axis)), f"cumlogsumexp(axis={axis})"
+
+
+@piece("frontier", "scan_carry", stage="map")
+def _fscan(r, c, aval):
+    """A running state carried through a ``lax.scan`` along the long axis (a linear recurrence)."""
+    axis = _long_axis(r, aval.shape)
+    decay = 1 if not c.is_float else r.choice([1, 0.5, 0.9])
+
+    def fn(v, a):
+        moved = jnp.moveaxis(v, axis, 0)
+        def step(carry, row):
+            new = (carry * jnp.asarray(decay, v.dtype) + row).astype(v.dtype)
+            return new, new
+        _, out = lax.scan(step, jnp.zeros(moved.shape[1:], v.dtype), moved)
+        return jnp.moveaxis(out, 0, axis)
+    return fn, f"scan(carry*{decay}+row, axis={axis})"
+
+
+@piece("frontier", "while_map", stage="map", differentiable=False)
+def _fwhile(r, c, aval):
+    def fn(v, a):
+        def body(carry):
+            i, w = carry
+            return i + 1, w * 2 + 1
+        return lax.while_loop(lambda carry: carry[0] < 2, body, (jnp.int32(0), v))[1]
+    return fn, "while(i<2: v*2+1)"
+
+
+@piece("frontier", "cond_map", stage="map")
+def _fcond(r, c, aval):
+    def fn(v, a):  # the predicate reads one entry, so no reordered sum can flip it
+        pred = jnp.sum(v.reshape(-1)[:1]) > 0
+        return lax.cond(pred, lambda w: w * 2, lambda w: w - 1, v)
+    return fn, "cond(v.flat[0]>0, 2v, v-1)"
+
+
+@piece("frontier", "take_long", stage="map")
+def _ftake(r, c, aval):
+    """A gather along the long axis by indices as long as it (duplicates, every row's source random)."""
+    axis = _long_axis(r, aval.shape)
+    n = aval.shape[axis]
+    if n == 0:
+        return (lambda v, a: v), "identity"
+    idx = c.input((n,), kind="index", high=n)
+    return (lambda v, a: jnp.take(v, a[idx], axis=axis)), f"take(v, idx({n}), axis={axis})"
+
+
+@piece("frontier", "scatter_rows", stage="map")
+def _fscatter_rows(r, c, aval):
+    n = aval.shape[0]
+    if n == 0:
+        return (lambda v, a: v), "identity"
+    k = r.integer(1, 8)
+    idx, src = c.input((k,), kind="index", high=n), c.input((k,), kind="index", high=n)
+    return (lambda v, a: v.at[a[idx]].add(v[a[src]] * 2)), f"v.at[idx({k})].add(2*v[idx({k})])"
+
+
+@piece("frontier", "solve_triangular", weight=3, stage="map", dtypes=WIDE_FLOATS, ranks=(2,), exact=False,
+       accepts=lambda aval: 0 < min(aval.shape) <= 64)
+def _fsolve(r, c, aval):
+    """``solve_triangular(L, K)`` with the kernel's short axis against a small factor, its long axis
+    along the right-hand sides (as ``solve_triangular(L, K(X, Z))`` in a sparse GP)."""
+    lower = r.boolean()
+    left = aval.shape[0] <= aval.shape[1]
+    k = aval.shape[0] if left else aval.shape[1]
+    p = c.input((k, k))
+
+    def fn(v, a):
+        part = (jnp.tril if lower else jnp.triu)(jnp.asarray(0.3, v.dtype) * jnp.tanh(a[p]))
+        factor = part + 2 * jnp.eye(k, dtype=v.dtype)
+        if left:
+            return jax.scipy.linalg.solve_triangular(factor, v, lower=lower)
+        return jax.scipy.linalg.solve_triangular(factor, v.T, lower=lower).T
+    return fn, f"solve_triangular(L({k}), {'v' if left else 'v.T'}, lower={lower})"
+
+
+def _lse_reader(head):
+    """A reduce stage ``head(v, lse)``: the logits' logsumexp along axis 1 and another read of them."""
+    def make(r, c, aval):
+        fn, desc = head(r, c, aval)
+        return (lambda v, a: (fn(v, a),)), desc
+    return make
+
+
+@piece("frontier", "contrastive_lse", weight=3, stage="reduce", dtypes=FLOATS, ranks=(2, 3), exact=False,
+       accepts=lambda aval: aval.shape[1] > 0)
+@_lse_reader
+def _fcontrastive(r, c, aval):
+    col = r.integer(0, min(2, aval.shape[1] - 1))
+    return (lambda v, a: jax.nn.logsumexp(v, axis=1) - v[:, col]), f"logsumexp(v,1) - v[:,{col}]"
+
+
+@piece("frontier", "lse_minus_diag", weight=3, stage="reduce", dtypes=FLOATS, ranks=(2,), exact=False,
+       accepts=lambda aval: aval.shape[1] > 0)
+@_lse_reader
+def _fdiag(r, c, aval):
+    k = min(aval.shape)
+    return (lambda v, a: jax.nn.logsumexp(v, axis=1)[:k] - jnp.diagonal(v)), "logsumexp(v,1)[:k] - diag(v)"
+
+
+@piece("frontier", "masked_lse", weight=3, stage="reduce", dtypes=FLOATS, ranks=(2, 3), exact=False)
+@_lse_reader
+def _fmasked(r, c, aval):
+    offset = r.choice([0, aval.shape[1] // 2])
+    def fn(v, a):
+        i = lax.broadcasted_iota(jnp.int32, v.shape, 0)
+        j = lax.broadcasted_iota(jnp.int32, v.shape, 1)
+        return jax.nn.logsumexp(jnp.where(j <= i + offset, v, -jnp.inf), axis=1)
+    return fn, f"logsumexp(where(j<=i+{offset}, v, -inf), 1)"
+
+
+@piece("frontier", "softmax_minus_col", weight=3, stage="reduce", dtypes=FLOATS, ranks=(2,), exact=False,
+       accepts=lambda aval: aval.shape[1] > 0)
+def _fsoftmax_col(r, c, aval):
+    w = c.input(aval.shape[1:2])
+    return (lambda v, a: (jax.nn.softmax(v, axis=-1) @ a[w] - v[:, 0],)), "softmax(v,-1)@w - v[:,0]"
+
+
+@piece("frontier", "segment_sum", weight=2, stage="reduce", ranks=(2, 3))
+def _fsegment(r, c, aval):
+    axis, k = r.choice([0, 1]), r.integer(1, 9)
+    labels = c.input((aval.shape[axis],), kind="index", high=k + 2)   # -1 and k: out of range, dropped
+
+    def fn(v, a):
+        moved = jnp.moveaxis(v, axis, 0)
+        return (jnp.moveaxis(jax.ops.segment_sum(moved, a[labels] - 1, num_segments=k), 0, axis),)
+    return fn, f"segment_sum(axis={axis}, {k} segments)"
+
+
+@piece("frontier", "scatter_reduce", weight=1.5, stage="reduce", ranks=(2, 3))
+def _fscatter_reduce(r, c, aval):
+    k, op = r.integer(1, 9), r.choice(["add", "max", "min"])
+    idx = c.input(aval.shape[:1], kind="index", high=k)
+
+    def fn(v, a):
+        return (getattr(jnp.zeros((k,) + v.shape[1:], v.dtype).at[a[idx]], op)(v),)
+    return fn, f"zeros({k},...).at[idx].{op}(v)"
+
+
+@piece("frontier", "take_along_reduce", weight=1.5, stage="reduce", ranks=(2,), accepts=lambda aval: aval.shape[1] > 0)
+def _ftake_along(r, c, aval):
+    idx = c.input((aval.shape[0], 3), kind="index", high=aval.shape[1])
+    return (lambda v, a: (jnp.take_along_axis(v, a[idx], axis=1),)), "take_along_axis(v, idx(n,3), 1)"
+
+
+@piece("frontier", "ott_logsumexp", weight=2, stage="reduce", dtypes=FLOATS, exact=False)
+def _fott(r, c, aval):
+    """``logsumexp`` as optimal-transport libraries define it: ``custom_jvp`` with
+    ``nondiff_argnums=(1, 2, 4)`` (axis, keepdims, return_sign) and a ``defjvp`` rule."""
+    import functools
+    axis = _axis(r, len(aval.shape))
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 4))
+    def logsumexp(mat, axis=None, keepdims=False, b=None, return_sign=False):
+        return jax.nn.logsumexp(mat, axis=axis, keepdims=keepdims, b=b, return_sign=return_sign)
+
+    @logsumexp.defjvp
+    def rule(axis, keepdims, return_sign, primals, tangents):
+        (mat, b), (dmat, _) = primals, tangents
+        lse = logsumexp(mat, axis, True, b, return_sign)
+        out = lse if keepdims else jnp.squeeze(lse, axis)
+        return out, jnp.sum(jnp.exp(mat - lse) * dmat, axis=axis, keepdims=keepdims)
+
+    return (lambda v, a: (logsumexp(v, axis, False, None, False),)), \
+        f"custom_jvp logsumexp(axis={axis}, nondiff_argnums=(1,2,4))"
+
+
+@piece("frontier", "custom_vjp_logsumexp", weight=2, stage="reduce", dtypes=FLOATS, exact=False)
+def _fcvjp(r, c, aval):
+    import functools
+    axis = _axis(r, len(aval.shape))
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def logsumexp(mat, axis):
+        return jax.nn.logsumexp(mat, axis=axis)
+
+    def fwd(mat, axis):
+        out = logsumexp(mat, axis)
+        return out, (mat, out)
+
+    def bwd(axis, res, ct):
+        mat, out = res
+        return (jnp.exp(mat - jnp.expand_dims(out, axis)) * jnp.expand_dims(ct, axis),)
+
+    logsumexp.defvjp(fwd, bwd)
+    return (lambda v, a: (logsumexp(v, axis),)), f"custom_vjp logsumexp(axis={axis}, nondiff_argnums=(1,))"
+
+
+@piece("frontier", "deep_chain", weight=2, stage="map", dtypes=FLOATS, exact=False)
+def _fdeep(r, c, aval):
+    """Layers of ``v + tanh(s_k * v)``, each keeping a residual as large as ``v`` for its gradient: what
+    the ``remat`` pass recomputes under a memory limit."""
+    layers = r.integer(4, 8)
+    scales = c.input((layers,))
+
+    def fn(v, a):
+        for k in range(layers):
+            v = v + jnp.tanh(a[scales][k] * v)
+        return v
+    return fn, f"{layers} layers of v+tanh(s_k*v)"

@@ -31,6 +31,16 @@ PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67
           743, 751, 757, 761, 769, 773, 787, 797, 809, 811, 821, 823, 827, 829, 839, 853, 857, 859, 863, 877, 881,
           883, 887, 907, 911, 919, 929, 937, 941, 947, 953, 967, 971, 977, 983, 991, 997]
 MAX_SIDE = 1500
+#: How often a program of the frontier vocabulary draws a frontier piece (``pieces.py``, last table).
+FRONTIER_P = 0.5
+
+
+def vocabulary(seed) -> int:
+    """The vocabulary a seed draws from: 1 for the seeds recorded before the frontier pieces existed
+    (integers and ``r...``: their programs, and so the regression tests built on them, stay what they
+    were), 2 for ``s...`` seeds (fresh seeds since, and the fixed ``s0``...), whose programs may draw a
+    frontier piece and, in gradient modes, a memory limit."""
+    return 2 if str(seed).startswith("s") else 1
 
 
 # ----------------------------------------------------------------------------------------- draws
@@ -204,8 +214,10 @@ def _size(r: Draw, approx: float) -> int:
     return n
 
 
-def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, allow_wrap: bool = True) -> Program:
-    """Draw one program whose large intermediate is about ``threshold`` bytes or more."""
+def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, allow_wrap: bool = True,
+                 frontier: bool = False) -> Program:
+    """Draw one program whose large intermediate is about ``threshold`` bytes or more; ``frontier``
+    lets it draw, after every other choice, one piece of the frontier table."""
     dtype = r.choice([d for d in DTYPES if x64 or d != "float64"])
     ctx = Ctx(dtype)
     pieces: list[str] = []
@@ -311,8 +323,22 @@ def draw_program(r: Draw, threshold: int, label: str = "", x64: bool = False, al
         if table:
             custom = r.choice(table)
             wrap_stage, desc = custom.make(r, ctx)
-            stage = wrap_stage(stage)
+            stage = wrap_stage(stage)   # reads maps and f_reduce when called: a frontier piece below shows
             pieces.append(f"custom:{custom.name}")
+            notes.append(desc)
+    # drawn after everything else, so that a program that draws none is the one it was without them
+    if frontier and r.boolean(FRONTIER_P):
+        table = [p for p in PIECES["frontier"].values()
+                 if dtype in p.dtypes and len(current.shape) in p.ranks and (p.accepts is None or p.accepts(current))
+                 and (p.stage == "map" or (not posts and not reducer.indices))]
+        if table:
+            late = r.weighted(table, [p.weight for p in table])
+            f, desc = late.make(r, ctx, current)
+            if late.stage == "map":
+                maps.append(f)
+            else:
+                f_reduce = f
+            pieces.append(f"frontier:{late.name}")
             notes.append(desc)
     description = (f"{dtype} n={n} m={m} d={d}{' grid' if grid else ''}{' ' + specials if specials else ''} | "
                    + " | ".join(notes))
@@ -332,4 +358,4 @@ def _chain(fns, value, args):
 @st.composite
 def programs(draw, threshold: int = 32_000, x64: bool = False):
     """A hypothesis strategy of random :class:`Program` s around ``threshold`` bytes."""
-    return draw_program(HypothesisDraw(draw), threshold, label="hypothesis", x64=x64)
+    return draw_program(HypothesisDraw(draw), threshold, label="hypothesis", x64=x64, frontier=True)

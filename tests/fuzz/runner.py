@@ -40,9 +40,22 @@ import hlopass
 import hlopass.call
 import hlopass.checked
 from tests.fuzz.exclusions import excluded
-from tests.fuzz.programs import Program, RandomDraw, draw_program, float_inputs, linear_loss
+from tests.fuzz.pieces import PIECES
+from tests.fuzz.programs import Program, RandomDraw, draw_program, float_inputs, linear_loss, vocabulary
 
 MODES = ["value", "value", "value", "value", "vmap_in", "vmap_out", "grad_in", "grad_out"]
+#: Modes of a batch run on 4 host devices (``--devices 4``, a child process with
+#: ``XLA_FLAGS=--xla_force_host_platform_device_count=4``): every input gets a leading axis of 4, placed
+#: ``NamedSharding(mesh, P("x"))``; ``sharded_vmap`` / ``sharded_grad``: ``hlopass.jit(jax.vmap(F))`` (and
+#: its value and gradient) on the sharded inputs; ``shard_map_in`` / ``shard_map_out``:
+#: ``hlopass.jit(shard_map(vmap(F)))`` / ``jax.jit(shard_map(vmap(hlopass.jit(F))))``.
+SHARDED_MODES = ["sharded_vmap", "sharded_grad", "shard_map_in", "shard_map_out"]
+DEVICES = 4
+#: Gradient batches of the frontier vocabulary run under a memory limit this often: the arguments and
+#: results plus a fraction (below) of the temporaries ``jax.jit`` needs, so the ``remat`` pass (and the
+#: split's memory-limit retries) change the program.
+MEMORY_LIMIT_P = 0.25
+MEMORY_FRACTIONS = [0.25, 0.5, 0.75]   # below 0.5 with splitting off (the remat pass alone)
 THRESHOLDS = [8_000, 12_000, 16_000, 24_000, 32_000, 64_000, 128_000, 256_000]
 #: Tolerance relative to the largest finite magnitude of the reference leaf.
 TOLERANCE = {"float64": 1e-9, "float32": 2e-4, "float16": 2e-2, "bfloat16": 8e-2}
@@ -56,7 +69,22 @@ SUMMARY_LINES: list[str] = []
 
 #: Pieces that select among values (which one is the largest, the order): a gradient through them
 #: jumps when rounding reorders near-equal values.
-SELECTIONS = ("reduce:max", "reduce:min", "reduce:top_k", "post:sort", "post:top_k")
+SELECTIONS = ("reduce:max", "reduce:min", "reduce:top_k", "post:sort", "post:top_k", "frontier:cummax_long",
+              "frontier:scatter_reduce")
+
+
+def is_gradient_mode(mode: str) -> bool:
+    """Whether ``mode`` compares gradients too (its results are ``(values, gradients)``)."""
+    return mode.startswith("grad") or mode == "sharded_grad"
+
+
+def lead_axes(mode: str) -> tuple:
+    """The leading axes every input gets in ``mode``."""
+    if mode.startswith("vmap"):
+        return (2,)
+    if mode in SHARDED_MODES:
+        return (DEVICES,)
+    return ()
 
 
 def well_posed(program: Program, mode: str) -> bool:
@@ -70,7 +98,9 @@ def well_posed(program: Program, mode: str) -> bool:
     gradients of 16-bit programs off the integer grid or through transcendental functions: rounding
     at 8 to 11 bits inside sums of hundreds of terms decides them (their values are still compared).
     """
-    gradient = mode.startswith("grad") or program.has("wrap:grad")
+    gradient = is_gradient_mode(mode) or program.has("wrap:grad")
+    if gradient and any(PIECES[p.split(":")[0]][p.split(":")[1]].differentiable is False for p in program.pieces):
+        return False   # a while_loop: not reverse-differentiable, under jax.jit either
     if gradient and program.dtype in ("float16", "bfloat16") and not program.exact:
         return False
     if gradient and any(program.has(s) for s in SELECTIONS) and (
@@ -90,27 +120,45 @@ class Batch:
     x64: bool
     programs: list[Program]
     excluded: dict = dataclasses.field(default_factory=dict)
+    #: run under a memory limit of the arguments and results plus this fraction of jax.jit's temporaries
+    memory_fraction: float | None = None
 
     def header(self) -> str:
+        limit = "" if self.memory_fraction is None else f" memory_limit=args+outs+{self.memory_fraction}*temp"
         return (f"seed {self.seed}: mode={self.mode} threshold={self.threshold} split_size={self.split_size} "
-                f"x64={self.x64}")
+                f"x64={self.x64}{limit}")
 
 
-def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None, exclusions: bool = True) -> Batch:
+def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None, exclusions: bool = True,
+               devices: int = 1, choices: list[int] | None = None) -> Batch:
     """The batch of ``seed`` (deterministic); ``only`` keeps one program (same draws);
-    ``exclusions=False`` draws the known-failing programs too (to reproduce a defect)."""
+    ``exclusions=False`` draws the known-failing programs too (to reproduce a defect); ``devices=4``
+    draws a mode of :data:`SHARDED_MODES` (run it with that many host devices); ``choices`` replays a
+    minimised program (:func:`minimise`) in place of program ``only``."""
     r = RandomDraw(f"batch/{seed}")
     threshold = r.choice(THRESHOLDS)
     split_size = max(1, threshold // r.choice([1, 1, 2, 4, 8]))
     mode = r.choice(MODES)
     x64 = r.boolean(0.3)
-    batch = Batch(str(seed), threshold, split_size, mode, x64, [])
+    frontier = vocabulary(seed) >= 2
+    # drawn after the choices above, and only for the frontier vocabulary: older seeds keep their batches
+    memory_fraction = None
+    if frontier and devices > 1:
+        mode = r.choice(SHARDED_MODES)
+    if frontier and is_gradient_mode(mode) and r.boolean(MEMORY_LIMIT_P):
+        memory_fraction = r.choice(MEMORY_FRACTIONS)
+    batch = Batch(str(seed), threshold, split_size, mode, x64, [], memory_fraction=memory_fraction)
     hits = collections.Counter()
     for i in range(size):
         if only is not None and i != only:
             continue
+        if choices is not None and i == only:
+            batch.programs.append(draw_program(ReplayDraw(choices), threshold, label=f"{seed}/{i}", x64=x64,
+                                               frontier=frontier))
+            continue
         for attempt in range(50):
-            program = draw_program(RandomDraw(f"{seed}/{i}/{attempt}"), threshold, label=f"{seed}/{i}", x64=x64)
+            program = draw_program(RandomDraw(f"{seed}/{i}/{attempt}"), threshold, label=f"{seed}/{i}", x64=x64,
+                                   frontier=frontier)
             if not well_posed(program, mode):
                 continue
             hit = excluded(program, mode) if exclusions else None
@@ -120,6 +168,175 @@ def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None, exclusions
         batch.programs.append(program)
     batch.excluded = dict(hits)
     return batch
+
+
+# ------------------------------------------------------------------------------------ minimising
+class RecordingDraw(RandomDraw):
+    """A :class:`RandomDraw` that records each choice as a small integer (an index, an offset from the
+    low end, 0/1), so that :class:`ReplayDraw` can replay it, changed."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.choices: list[int] = []
+
+    def choice(self, seq):
+        k = self.rng.randrange(len(seq))
+        self.choices.append(k)
+        return seq[k]
+
+    def integer(self, lo, hi):
+        value = self.rng.randint(lo, hi)
+        self.choices.append(value - lo)
+        return value
+
+    def boolean(self, p=0.5):
+        value = self.rng.random() < p
+        self.choices.append(int(value))
+        return value
+
+
+class ReplayDraw(RandomDraw):
+    """Replays recorded choices; a choice past the end, or out of range, is the simplest (the first
+    item, the low end, ``False``)."""
+
+    def __init__(self, choices):
+        super().__init__(0)
+        self.queue = list(choices)
+        self.used = 0
+
+    def _next(self, limit: int) -> int:
+        k = self.queue[self.used] if self.used < len(self.queue) else 0
+        self.used += 1
+        return k if 0 <= k < limit else 0
+
+    def choice(self, seq):
+        return seq[self._next(len(seq))]
+
+    def integer(self, lo, hi):
+        return lo + self._next(hi - lo + 1)
+
+    def boolean(self, p=0.5):
+        return bool(self._next(2))
+
+
+def primitive_families(program: Program) -> list[str]:
+    """The primitive families (``hlopass.families``, coarser where it has none) of the equations of
+    ``program``, sub-programs walked into."""
+    from hlopass import families as fam
+    named = [("custom derivative", fam.CUSTOM_DERIVATIVE_CALLS), ("control flow", fam.CONTROL_FLOW),
+             ("cumulative", set(fam.CUMULATIVE)), ("reduction", set(fam.REDUCTIONS) | fam.ARG_REDUCTIONS),
+             ("contraction", {"dot_general"}), ("linear algebra", {"triangular_solve", "cholesky", "lu", "qr",
+                                                                   "eigh", "svd", "custom_linear_solve"}),
+             ("indexing", {"gather", "scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+                           "scatter_max", "dynamic_slice", "dynamic_update_slice", "slice", "pad", "concatenate"}),
+             ("sorting", {"sort", "top_k"}), ("layout", fam.LAYOUT), ("elementwise", fam.ELEMENTWISE)]
+    seen: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            seen.add(next((label for label, names in named if name in names), "other"))
+            for value in eqn.params.values():
+                for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
+                    elif hasattr(sub, "eqns"):
+                        walk(sub)
+    try:
+        walk(jax.make_jaxpr(program.fn)(*program.make_inputs()).jaxpr)
+    except Exception:  # noqa: BLE001 - a program that cannot be traced alone: unknown
+        return []
+    return sorted(seen)
+
+
+def failure_kind(failure: dict) -> str:
+    """What a failure is: ``value mismatch``, ``gradient mismatch``, ``pass skipped`` (a pass raised:
+    a user's run would skip it, and name it in the report), ``crash`` (anything else raised) or
+    ``batch`` (the batch raised and no program alone does)."""
+    problem = failure["problem"]
+    if problem.startswith("batch raised"):
+        return "batch"
+    if problem.startswith("raised"):
+        return "pass skipped" if failure.get("pass") else "crash"
+    if problem.startswith("d/d input"):
+        return "gradient mismatch"
+    return "value mismatch"
+
+
+def minimise(seed, index: int, size: int = BATCH_SIZE, devices: int = 1, budget_s: float = 600.0,
+             log=None) -> dict:
+    """Shrink program ``index`` of batch ``seed`` while it still fails the same way.
+
+    The program's draw is recorded (:class:`RecordingDraw`) and replayed with choices moved towards the
+    simplest (each to 0 — no map, no post, no wrap, the first piece, the smallest size — then halved),
+    keeping each change under which the program, alone in a batch of the same threshold, split size,
+    mode and memory limit, still fails with the same :func:`failure_kind`; programs that are not
+    well posed or are excluded are not candidates. Returns ``{"choices", "program", "pieces",
+    "problem", "kind", "trials", "reproduce"}``; ``choices`` is ``None`` when the program alone no
+    longer fails (the batch's other programs matter)."""
+    start = time.perf_counter()
+    batch = draw_batch(seed, size, only=index, devices=devices)
+    first = batch.programs[0]
+    attempt = 0
+    while True:   # the attempt whose draw became the program (draw_batch redraws ill-posed ones)
+        recorder = RecordingDraw(f"{seed}/{index}/{attempt}")
+        program = draw_program(recorder, batch.threshold, label=first.label, x64=batch.x64,
+                               frontier=vocabulary(seed) >= 2)
+        if program.description == first.description or attempt >= 50:
+            break
+        attempt += 1
+
+    rewrites = {}
+
+    def failing(choices):
+        candidate = draw_batch(seed, size, only=index, devices=devices, choices=choices)
+        program = candidate.programs[0]
+        if not well_posed(program, candidate.mode) or excluded(program, candidate.mode):
+            return None
+        with jax.enable_x64(candidate.x64):
+            result = check_batch(candidate, isolate=False)
+        if result["failures"]:
+            rewrites[tuple(choices)] = dict(result["rewrites"])
+        return result["failures"][0] if result["failures"] else None
+
+    best = list(recorder.choices)
+    found = failing(best)
+    trials = 1
+    if found is None:
+        return {"choices": None, "program": repr(first), "pieces": list(first.pieces), "problem": None,
+                "kind": None, "trials": trials, "reproduce": None}
+    kind = failure_kind(found)
+    changed = True
+    while changed and time.perf_counter() - start < budget_s:
+        changed = False
+        for k in range(len(best)):
+            for smaller in dict.fromkeys([0, best[k] // 2]):
+                if k >= len(best) or smaller >= best[k] or time.perf_counter() - start >= budget_s:
+                    continue
+                trial = best[:k] + [smaller] + best[k + 1:]
+                trials += 1
+                try:
+                    again = failing(trial)
+                except Exception:  # noqa: BLE001 - a candidate that cannot be built or run is no smaller case
+                    again = None
+                if again is not None and failure_kind(again) == kind:
+                    best, found, changed = trial, again, True
+                    if log:
+                        log(f"  shrunk choice {k} to {smaller}: {found['program']}")
+                    break
+    program = draw_batch(seed, size, only=index, devices=devices, choices=best).programs[0]
+    used = ReplayDraw(best)
+    draw_program(used, batch.threshold, x64=batch.x64, frontier=vocabulary(seed) >= 2)
+    fired = rewrites.get(tuple(best), {})
+    best = best[:used.used]
+    text = ",".join(map(str, best))
+    with jax.enable_x64(batch.x64):
+        families = primitive_families(program)
+    return {"choices": best, "program": repr(program), "pieces": list(program.pieces), "problem": found["problem"],
+            "kind": kind, "trials": trials, "rewrites": fired, "families": families, "pass": found.get("pass"),
+            "reproduce": f"python -m tests.fuzz.runner --seeds {seed} --size {size} --program {index} "
+                         f"--choices {text}" + (f" --devices {devices}" if devices > 1 else "") + " -v"}
 
 
 # ----------------------------------------------------------------------------------------- running
@@ -173,16 +390,19 @@ def execute(batch: Batch, reference_only: bool = False, widen: bool = False, per
     reference only (``reference_only``)."""
     programs = batch.programs
     F, offsets = _combined(programs)
-    lead = (2,) if batch.mode.startswith("vmap") else ()
-    flat = [a for p in programs for a in p.make_inputs(lead)]
+    flat = [a for p in programs for a in p.make_inputs(lead_axes(batch.mode))]
     if widen:
         jitter = np.random.default_rng(0)
         flat = [_widened(a, jitter if perturb else None) for a in flat]
     specs = [s for p in programs for s in p.inputs]
     float_pos = float_inputs(specs)
-    mode = batch.mode if float_pos or not batch.mode.startswith("grad") else "value"
+    mode = batch.mode
+    if not float_pos and is_gradient_mode(mode):
+        mode = "sharded_vmap" if mode in SHARDED_MODES else "value"
     settings = dict(threshold=batch.threshold, split_size=batch.split_size)
-    if mode == "value":
+    if mode in SHARDED_MODES:
+        ours, ref, flat = _sharded(mode, F, float_pos, flat, settings)
+    elif mode == "value":
         ours, ref = hlopass.jit(F, **settings), jax.jit(F)
     elif mode == "vmap_in":
         ours, ref = hlopass.jit(jax.vmap(F), **settings), jax.jit(jax.vmap(F))
@@ -195,12 +415,62 @@ def execute(batch: Batch, reference_only: bool = False, widen: bool = False, per
         ref = jax.jit(_value_and_grad(F, float_pos))
     else:
         raise ValueError(mode)
-    want = jax.device_get(ref(*flat))
+    try:
+        if batch.memory_fraction is not None and not reference_only:
+            compiled = ref.lower(*flat).compile()
+            stats = compiled.memory_analysis()
+            if batch.memory_fraction < 0.5:   # the remat pass alone (no split) against the limit
+                settings["threshold"] = settings["split_size"] = "off"
+            settings["memory_limit"] = max(1, int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                                  + batch.memory_fraction * stats.temp_size_in_bytes))
+            ours = _rebuilt(mode, F, float_pos, flat, settings, ours)
+            want = jax.device_get(compiled(*flat))
+        else:
+            want = jax.device_get(ref(*flat))
+    except Exception as err:
+        raise ReferenceFailed(f"jax.jit itself raised {type(err).__name__}: {err}") from err
     if reference_only:
         return None, want, [], float_pos, offsets, mode
     with observed_reports() as reports:
         got = jax.device_get(ours(*flat))
     return got, want, reports, float_pos, offsets, mode
+
+
+class ReferenceFailed(RuntimeError):
+    """``jax.jit`` of the program itself raised: not a finding about hlopass."""
+
+
+def _rebuilt(mode, F, float_pos, flat, settings, ours):
+    """``ours`` again with ``settings`` (a memory limit added once jax.jit's figures are known)."""
+    if mode in SHARDED_MODES:
+        return _sharded(mode, F, float_pos, flat, settings)[0]
+    if mode in ("value", "vmap_in", "grad_in"):
+        inner = {"value": F, "vmap_in": jax.vmap(F), "grad_in": _value_and_grad(F, float_pos)}[mode]
+        return hlopass.jit(inner, **settings)
+    if mode == "vmap_out":
+        return jax.jit(jax.vmap(hlopass.jit(F, **settings)))
+    return jax.jit(_value_and_grad(hlopass.jit(F, **settings), float_pos))
+
+
+def _sharded(mode, F, float_pos, flat, settings):
+    """``(ours, ref, flat)`` of a :data:`SHARDED_MODES` batch: the inputs placed along their leading
+    axis of :data:`DEVICES` on a mesh of that many devices."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((DEVICES,), ("x",))
+    flat = [jax.device_put(a, NamedSharding(mesh, P("x"))) for a in flat]
+
+    def mapped(fn):
+        return jax.shard_map(jax.vmap(fn), mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    if mode == "sharded_vmap":
+        return hlopass.jit(jax.vmap(F), **settings), jax.jit(jax.vmap(F)), flat
+    if mode == "sharded_grad":
+        grad = _value_and_grad(jax.vmap(F), float_pos)
+        return hlopass.jit(grad, **settings), jax.jit(grad), flat
+    if mode == "shard_map_in":
+        return hlopass.jit(mapped(F), **settings), jax.jit(mapped(F)), flat
+    if mode == "shard_map_out":
+        return jax.jit(mapped(hlopass.jit(F, **settings))), jax.jit(mapped(F)), flat
+    raise ValueError(mode)
 
 
 #: Leaves found ill-conditioned by :func:`as_accurate` (jax.jit itself off the wider run), for the summary.
@@ -225,7 +495,7 @@ def wider_reference(batch: Batch, index: int, perturb: bool = False):
     single = dataclasses.replace(batch, programs=[batch.programs[index]])
     with jax.enable_x64(True):
         _, want, _, _, _, mode = execute(single, reference_only=True, widen=True, perturb=perturb)
-    if mode.startswith("grad"):
+    if is_gradient_mode(mode):
         return want[0][0], want[1]
     return want[0], None
 
@@ -335,9 +605,13 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
         got, want, reports, float_pos, offsets, mode = execute(batch)
     except Exception as err:  # noqa: BLE001 - a crash is a finding
         message = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+        if len(batch.programs) == 1 and isinstance(err, ReferenceFailed):
+            result["reference_failed"] = [f"{batch.programs[0].label}: {message}"]
+            return result
         if not isolate or len(batch.programs) == 1:
             result["failures"].append(_failure(batch, batch.programs[0] if len(batch.programs) == 1 else None,
-                                               f"raised {message}", traceback.format_exc(limit=-6)))
+                                               f"raised {message}", traceback.format_exc(limit=-6),
+                                               culprit=_culprit_pass(err)))
             return result
         found = False
         for program in batch.programs:  # find the program(s) that raise alone
@@ -345,7 +619,8 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
             sub = check_batch(single, isolate=False)
             result["failures"].extend(sub["failures"])
             result["rewrites"].update(sub["rewrites"])
-            found |= bool(sub["failures"])
+            result.setdefault("reference_failed", []).extend(sub.get("reference_failed", []))
+            found |= bool(sub["failures"]) or bool(sub.get("reference_failed"))
         if not found:
             result["failures"].append(_failure(batch, None, f"batch raised, no program alone does: {message}"))
         return result
@@ -356,7 +631,7 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
             if "Inf/NaN not guarded" in rewrite.summary:
                 unguarded.append(f"{rewrite.pass_name}:{rewrite.kind}")
     grads_got = grads_want = None
-    if mode.startswith("grad"):
+    if is_gradient_mode(mode):
         (got, grads_got), (want, grads_want) = got, want
     for i, program in enumerate(batch.programs):
         mine = [j for j, k in enumerate(float_pos) if offsets[i] <= k < offsets[i + 1]]
@@ -589,13 +864,29 @@ def _judged_overflow(batch, i, got, want, grads_got, grads_want, mine, problem) 
     return None if verdict is None else f"{problem}; {verdict}"
 
 
-def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "") -> dict:
+def _culprit_pass(err: BaseException) -> str | None:
+    """The pass whose code raised ``err`` (its innermost frame under ``passes/<name>/``), or None."""
+    name = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        parts = frame.filename.replace(os.sep, "/").split("/")
+        if "passes" in parts[:-1]:
+            k = len(parts) - 1 - parts[::-1].index("passes")
+            if k + 1 < len(parts) - 1:
+                name = parts[k + 1]
+    return name
+
+
+def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "", culprit: str | None = None) -> dict:
     index = program.label.split("/")[-1] if program else None
+    devices = f" --devices {DEVICES}" if batch.mode in SHARDED_MODES else ""
     repro = (f"python -m tests.fuzz.runner --seeds {batch.seed} --size {BATCH_SIZE}"
-             + (f" --program {index}" if index else "") + " -v")
-    return {"batch": batch.header(), "seed": str(batch.seed), "program": repr(program) if program else None,
-            "problem": problem,
-            "pieces": list(program.pieces) if program else [], "reproduce": repro, "traceback": trace}
+             + (f" --program {index}" if index else "") + devices + " -v")
+    failure = {"batch": batch.header(), "seed": str(batch.seed), "program": repr(program) if program else None,
+               "index": int(index) if index and index.isdigit() else None, "mode": batch.mode,
+               "problem": problem, "pass": culprit,
+               "pieces": list(program.pieces) if program else [], "reproduce": repro, "traceback": trace}
+    failure["kind"] = failure_kind(failure)
+    return failure
 
 
 #: XLA flag the CI workers use to halve compile time; a failure seen with it is re-run without it
@@ -603,7 +894,7 @@ def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "
 FAST_FLAG = "--xla_backend_optimization_level=0"
 
 
-def recheck_with_default_flags(seed, size, only, exclusions) -> set:
+def recheck_with_default_flags(seed, size, only, exclusions, devices: int = 1, choices=None) -> set:
     """``(program, what)`` of the failures of batch ``seed`` under XLA's default flags."""
     import subprocess
     import tempfile
@@ -612,6 +903,8 @@ def recheck_with_default_flags(seed, size, only, exclusions) -> set:
         out = os.path.join(tmp, "recheck.json")
         cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", str(seed), "--size", str(size), "--json", out]
         cmd += ([] if only is None else ["--program", str(only)]) + ([] if exclusions else ["--no-exclusions"])
+        cmd += ([] if devices == 1 else ["--devices", str(devices)])
+        cmd += ([] if choices is None else ["--choices", ",".join(map(str, choices))])
         subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
         if not os.path.exists(out):
             return {(None, "recheck died")}
@@ -620,13 +913,20 @@ def recheck_with_default_flags(seed, size, only, exclusions) -> set:
 
 
 def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: bool = False,
-              exclusions: bool = True) -> dict:
+              exclusions: bool = True, devices: int = 1, choices: list[int] | None = None) -> dict:
+    """Run the batches of ``seeds`` (see :func:`draw_batch` for the other arguments); the summary:
+    programs, batches, rewrites fired, failures, the pieces and modes drawn, exclusions and the
+    differences judged rounding, overflow or forward-over-reverse, seconds and CPU seconds."""
     total = {"seeds": [str(s) for s in seeds], "programs": 0, "rewrites": collections.Counter(), "failures": [],
              "excluded": collections.Counter(), "batches": 0, "seconds": 0.0, "modes": collections.Counter(),
-             "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "unguarded": [], "fwdrev": []}
+             "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "unguarded": [], "fwdrev": [],
+             "pieces": collections.Counter(), "memory_limited": 0, "reference_failed": []}
     start = time.perf_counter()
     for seed in seeds:
-        batch = draw_batch(seed, size, only, exclusions)
+        batch = draw_batch(seed, size, only, exclusions, devices=devices, choices=choices)
+        for program in batch.programs:
+            total["pieces"].update(set(program.pieces))
+        total["memory_limited"] += len(batch.programs) if batch.memory_fraction is not None else 0
         if verbose:
             print(batch.header())
             for p in batch.programs:
@@ -642,8 +942,9 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
         total["overflow"] += result.get("overflow", 0)
         total["unguarded"] += result.get("unguarded", [])
         total["fwdrev"] += result.get("fwdrev", [])
+        total["reference_failed"] += result.get("reference_failed", [])
         if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
-            confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions)
+            confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions, devices, choices)
             for f in result["failures"]:
                 (total["failures"] if (f["program"], f["problem"].split(":")[0]) in confirmed
                  else total["fast_flag_only"]).append(f)
@@ -680,11 +981,37 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--no-exclusions", dest="exclusions", action="store_false",
                         help="also draw the programs tests/fuzz/exclusions.py leaves out (known defects)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help=f"run the sharded modes on this many host devices ({DEVICES}; sets XLA_FLAGS itself)")
+    parser.add_argument("--choices", default=None,
+                        help="replay these recorded choices as program --program (a minimised program)")
+    parser.add_argument("--minimise", action="store_true",
+                        help="shrink program --program of the (one) seed while it fails the same way; "
+                             "print the result as JSON")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HLOPASS_RAISE_PASS_ERRORS", "1")
     os.environ.setdefault("HLOPASS_CHECK_PASSES", "1")
-    total = run_seeds(_parse_seeds(args.seeds), args.size, args.program, args.verbose, args.exclusions)
+    flag = f"--xla_force_host_platform_device_count={args.devices}"
+    if args.devices > 1 and flag not in os.environ.get("XLA_FLAGS", ""):   # before JAX starts its backend
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    if args.devices > 1 and jax.device_count() < args.devices:
+        raise SystemExit(f"--devices {args.devices}: this process has {jax.device_count()} devices; run it with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}")
+    if args.minimise:
+        if args.program is None:
+            raise SystemExit("--minimise needs --program")
+        found = minimise(args.seeds, args.program, args.size, args.devices, log=print if args.verbose else None)
+        print(json.dumps(found))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(found, fh)
+        return 0
+    choices = None if args.choices is None else [int(c) for c in args.choices.split(",") if c]
+    if choices is not None and args.program is None:
+        raise SystemExit("--choices needs --program")
+    total = run_seeds(_parse_seeds(args.seeds), args.size, args.program, args.verbose, args.exclusions,
+                      args.devices, choices)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(total, fh)

@@ -1,8 +1,10 @@
 """The differential fuzzer: random programs through ``hlopass.jit`` against ``jax.jit``.
 
 ``test_seeded_programs_match_jax_jit`` runs the fixed seeds (always) and, with ``HLOPASS_FUZZ_FRESH``,
-fresh random ones (new each run, printed) in two worker processes, and prints which rewrites
-fired how often. A failure prints the command that reproduces it
+fresh random ones (new each run, printed, of the frontier vocabulary: ``s...``) in two worker
+processes, and prints which rewrites fired how often. ``test_sharded_programs_match_jax_jit`` runs
+a few seeds on 4 host devices in a child process (sharded inputs, ``shard_map``). Many more fresh
+programs: ``python -m tools.soak`` (README, Testing). A failure prints the command that reproduces it
 (``python -m tests.fuzz.runner --seeds SEED --program I -v``); a seed that found a defect goes into
 ``REGRESSION_SEEDS`` and its minimal program into ``test_regressions.py``.
 
@@ -36,8 +38,9 @@ from tests.fuzz.pieces import PIECES
 from tests.fuzz.programs import RandomDraw, draw_program, programs
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Always run. Each seed is one batch of ``runner.BATCH_SIZE`` programs (0-189 pass on main as it stands).
-FIXED_SEEDS = [str(s) for s in range(190)]
+#: Always run. Each seed is one batch of ``runner.BATCH_SIZE`` programs (0-189 pass on main as it stands;
+#: they draw the first vocabulary, s0-s15 the frontier one: ``programs.vocabulary``).
+FIXED_SEEDS = [str(s) for s in range(190)] + [f"s{s}" for s in range(16)]
 #: Seeds that found a defect, once its fix lands (while it is open, its minimal program is an xfail test in
 #: test_regressions.py and its pieces are excluded, so the seed would draw something else).
 REGRESSION_SEEDS: list[str] = [
@@ -55,8 +58,10 @@ REGRESSION_SEEDS: list[str] = [
     "r660789466657",  # the same, its only result an index (runner.largest_intermediate)
     "r73655148886",  # loops recomputing one product with different chunks (test_loops_recomputing_one_product...)
 ]
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,136 programs per run.
-FRESH_SEEDS = 64
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,152 programs per run
+#: (64 before the frontier seeds s0-s15 joined the fixed ones; the soak, ``tools/soak.py``, runs fresh
+#: programs by the ten thousand).
+FRESH_SEEDS = 48
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
 #: most of the fuzzer's cost. A difference seen so is re-run with the default flags and counts only
@@ -69,7 +74,7 @@ def _seeds() -> tuple[list[str], list[str]]:
     if chosen:
         return runner._parse_seeds(chosen), []
     fresh_count = int(os.environ.get("HLOPASS_FUZZ_FRESH", FRESH_SEEDS))
-    fresh = [f"r{random.SystemRandom().getrandbits(40)}" for _ in range(fresh_count)]
+    fresh = [f"s{random.SystemRandom().getrandbits(40)}" for _ in range(fresh_count)]
     return FIXED_SEEDS + REGRESSION_SEEDS + fresh, fresh
 
 
@@ -171,7 +176,7 @@ def test_every_piece_is_drawn():
     """A piece added to a table is drawn (and so run) within a few hundred programs."""
     seen = set()
     for i in range(400):
-        seen.update(draw_program(RandomDraw(f"coverage/{i}"), 32_000, x64=True).pieces)
+        seen.update(draw_program(RandomDraw(f"coverage/{i}"), 32_000, x64=True, frontier=True).pieces)
     missing = sorted(f"{role}:{name}" for role, table in PIECES.items() for name in table
                      if f"{role}:{name}" not in seen)
     assert not missing, missing
@@ -305,3 +310,77 @@ def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():
                                    np.array([1, 2, np.inf, 3])) is not None                        # true Inf
     off = np.array([5000, 2, np.inf, 3], np.float16)                                                # plain is off
     assert runner.overflowed_alike(np.array([1, 2, 7, 3], np.float16), off, wide) is None
+
+
+def test_seeds_before_the_frontier_vocabulary_keep_their_programs():
+    """Integer and ``r...`` seeds never draw a frontier piece, a memory limit or a sharded mode, so the
+    regression tests built on their programs stay what they were; ``s...`` seeds do."""
+    from tests.fuzz.programs import vocabulary
+    assert vocabulary("17") == vocabulary("r310525650708") == 1 and vocabulary("s3") == 2
+    old = [runner.draw_batch(seed) for seed in ("0", "r310525650708", "r73655148886")]
+    assert not any(p.has("frontier:") for b in old for p in b.programs)
+    assert all(b.memory_fraction is None for b in old)
+    assert runner.draw_batch("r310525650708", only=1).programs[0].description.startswith("float32 n=")
+    new = [runner.draw_batch(f"s{i}") for i in range(16)]
+    assert sum(p.has("frontier:") for b in new for p in b.programs) >= 30
+
+
+def test_replayed_choices_rebuild_the_program_and_shrink_it():
+    """A recorded draw replays to the same program; the minimiser keeps each simpler choice under which
+    the program still fails the same way (here: a stand-in check that fails while the expansion is a
+    difference), and drops the maps, posts and wraps that do not matter."""
+    from tests.fuzz.programs import vocabulary
+
+    def first_with(predicate):
+        for i in range(200):
+            for j in range(runner.BATCH_SIZE):
+                program = runner.draw_batch(f"s{i}", only=j).programs[0]
+                if predicate(program):
+                    return f"s{i}", j, program
+        raise AssertionError("no such program")
+
+    seed, index, program = first_with(lambda p: p.has("expand:diff", "map:") and p.has("frontier:"))
+    batch = runner.draw_batch(seed, only=index)
+    recorder = runner.RecordingDraw(f"{seed}/{index}/0")
+    drawn = draw_program(recorder, batch.threshold, label=program.label, x64=batch.x64,
+                         frontier=vocabulary(seed) >= 2)
+    if drawn.description == program.description:   # the first attempt was the program
+        replayed = runner.draw_batch(seed, only=index, choices=recorder.choices).programs[0]
+        assert replayed.description == program.description
+
+    def fake_check(candidate, isolate=True):
+        p = candidate.programs[0]
+        failures = [runner._failure(candidate, p, "values[0]: max error 1 > 0")] if p.has("expand:diff") else []
+        return {"failures": failures, "rewrites": collections.Counter(), "programs": 1}
+
+    original = runner.check_batch
+    runner.check_batch = fake_check
+    try:
+        found = runner.minimise(seed, index, budget_s=120)
+    finally:
+        runner.check_batch = original
+    assert found["kind"] == "value mismatch" and "expand:diff" in found["pieces"]
+    assert not any(p.startswith(("map:", "post:", "wrap:", "frontier:", "custom:")) for p in found["pieces"]), found
+    again = runner.draw_batch(seed, only=index, choices=found["choices"]).programs[0]
+    assert repr(again) == found["program"]
+
+
+@pytest.mark.slow
+def test_sharded_programs_match_jax_jit(tmp_path):
+    """Seeds s0-s1 (4 programs each) on 4 host devices in a child process: inputs sharded along a
+    leading axis of 4, hlopass.jit of their vmap (values and gradients), and shard_map inside and
+    outside hlopass.jit, against jax.jit of the same."""
+    out = tmp_path / "sharded.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HLOPASS_RAISE_PASS_ERRORS="1", HLOPASS_CHECK_PASSES="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WORKER_XLA_FLAGS).strip())
+    seeds = os.environ.get("HLOPASS_FUZZ_SHARDED_SEEDS", "s0,s1")
+    done = subprocess.run([sys.executable, "-m", "tests.fuzz.runner", "--seeds", seeds, "--size", "4",
+                           "--devices", "4", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-5000:]
+    total = json.loads(out.read_text())
+    assert set(total["modes"]) <= set(runner.SHARDED_MODES) and total["programs"] == 4 * len(seeds.split(","))
+    assert not total["failures"], "\n".join(f"{f['program']}: {f['problem']} ({f['reproduce']})"
+                                            for f in total["failures"])
+    assert total["rewrites"], "no rewrite fired on the sharded programs"
