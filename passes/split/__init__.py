@@ -92,6 +92,10 @@ class SplitPass(Pass):
     #: Regions over the threshold, wherever they are written (branch bodies too), become loops.
     provides = frozenset({"split_regions"})
 
+    def applies(self, closed: jx.ClosedJaxpr, config: Config, facts) -> bool:
+        """Only where some value (sub-programs included) is over the threshold: a region starts at one."""
+        return facts.above(config.threshold)
+
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         with top_program(closed.jaxpr):  # the jit arguments' shardings are this program's inputs'
             return self._run(closed, config)

@@ -75,6 +75,7 @@ def test_default_pipeline_gates():
     report = hlopass.jit(small).trace(*args()).report
     ran = {p.name: p.ran for p in report.passes}
     assert ran["hvp"] is False and ran["adjoint"] is False and ran["remat"] is False
+    assert ran["split"] is False   # no value over the threshold: no region to split
     assert ran["algebraic"] and ran["matrix_chain"]
     tight = hlopass.jit(small, memory_limit="1kB", threshold="off").trace(*args()).report
     assert {p.name: p.ran for p in tight.passes}["remat"] is True
