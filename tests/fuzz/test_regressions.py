@@ -464,6 +464,32 @@ def test_chain_with_a_widening_cast_under_strict_promotion():
                         passes="matrix_chain")
 
 
+# ---------------------------------------------------------------------------------------------- remat
+@pytest.mark.xfail(strict=True, raises=TypeError,
+                   reason="remat: before_linearize's _residuals (passes/remat/primal.py) puts the residuals of a "
+                          "cummax/cummin/cumprod/cumlogsumexp linearisation in a set, and one is a Literal "
+                          "(unhashable): TypeError, so a user's run skips the pass (open; owner: remat)")
+@pytest.mark.parametrize("op", [lax.cummax, lax.cummin, lax.cumprod, lax.cumlogsumexp])
+def test_remat_before_linearize_of_a_cumulative_op(op):
+    """Fresh seed s999306329950, program 5, found by the soak (grad_out under a memory limit of the
+    arguments and results plus 0.75 of jax.jit's temporaries), minimised to ``top_k(cummax(x[:, None] -
+    y[None], 0), 1)[0][::2]`` and by hand to this: ``jax.grad`` of a hlopass function holding a cumulative
+    max, min, product or logsumexp, over its memory limit. The ``remat`` pass's ``before_linearize`` raises
+    ``TypeError: unhashable type: 'Literal'`` (with ``HLOPASS_RAISE_PASS_ERRORS`` unset it is skipped and
+    the gradient is right). ``cumsum``, and the same gradient taken inside ``hlopass.jit``, do not raise.
+    The fuzzer leaves these pieces out of ``grad_out`` batches meanwhile (tests/fuzz/exclusions.py)."""
+    x = (np.arange(32, dtype=np.float32)[:, None] % 7) - 3
+    y = (np.arange(125, dtype=np.float32)[:, None] % 5) - 2
+    fn = lambda x, y: op(x - y.T, axis=0)  # noqa: E731
+
+    def grad(f):
+        return jax.jit(jax.grad(lambda x, y: jnp.sum(jnp.sin(f(x, y))), (0, 1)))
+    got = grad(hlopass.jit(fn, memory_limit=1000, passes="remat"))(x, y)
+    want = grad(fn)(x, y)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------- engine
 @pytest.mark.parametrize("passes", ["split", "matrix_chain", "algebraic"])
 def test_linalg_solve_passes_through(passes):
