@@ -53,12 +53,6 @@ EXCLUSIONS: list[Exclusion] = [
     Exclusion("test_split_softmax_of_squared_logits_rounds_as_chunked_by_hand",
               lambda p, mode: not p.grid and p.has("map:square") and p.has("reduce:softmax_matvec"),
               deviation="README, The split pass, Fused multiply-add"),
-    # remat: jax.grad of a hlopass function with a cumulative max/min/product/logsumexp over its memory limit:
-    # before_linearize raises (fresh seed s999306329950, found by the soak); grad_out batches only (the
-    # memory limit is the batch's, so every grad_out program with these pieces is left out meanwhile)
-    Exclusion("test_remat_before_linearize_of_a_cumulative_op",
-              lambda p, mode: mode == "grad_out"
-              and any(p.has(f"frontier:{n}") for n in ("cummax_long", "cumprod_long", "cumlogsumexp_long"))),
 ]
 
 

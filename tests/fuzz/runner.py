@@ -55,6 +55,10 @@ DEVICES = 4
 #: results plus a fraction (below) of the temporaries ``jax.jit`` needs, so the ``remat`` pass (and the
 #: split's memory-limit retries) change the program.
 MEMORY_LIMIT_P = 0.25
+#: The gradient modes that draw a memory limit: not ``grad_out`` while
+#: ``test_regressions.py::test_remat_before_linearize_of_a_cumulative_op`` is an expected failure (jax.grad
+#: of a hlopass function over its limit: the remat pass's ``before_linearize`` raises on many programs).
+MEMORY_LIMIT_MODES = ("grad_in", "sharded_grad")
 MEMORY_FRACTIONS = [0.25, 0.5, 0.75]   # below 0.5 with splitting off (the remat pass alone)
 THRESHOLDS = [8_000, 12_000, 16_000, 24_000, 32_000, 64_000, 128_000, 256_000]
 #: Tolerance relative to the largest finite magnitude of the reference leaf.
@@ -145,7 +149,7 @@ def draw_batch(seed, size: int = BATCH_SIZE, only: int | None = None, exclusions
     memory_fraction = None
     if frontier and devices > 1:
         mode = r.choice(SHARDED_MODES)
-    if frontier and is_gradient_mode(mode) and r.boolean(MEMORY_LIMIT_P):
+    if frontier and mode in MEMORY_LIMIT_MODES and r.boolean(MEMORY_LIMIT_P):
         memory_fraction = r.choice(MEMORY_FRACTIONS)
     batch = Batch(str(seed), threshold, split_size, mode, x64, [], memory_fraction=memory_fraction)
     hits = collections.Counter()
@@ -894,8 +898,9 @@ def _failure(batch: Batch, program: Program | None, problem: str, trace: str = "
 FAST_FLAG = "--xla_backend_optimization_level=0"
 
 
-def recheck_with_default_flags(seed, size, only, exclusions, devices: int = 1, choices=None) -> set:
-    """``(program, what)`` of the failures of batch ``seed`` under XLA's default flags."""
+def recheck_with_default_flags(seed, size, only, exclusions, devices: int = 1, choices=None) -> set | None:
+    """``(program, what)`` of the failures of batch ``seed`` under XLA's default flags; ``None`` when the
+    recheck did not finish (died or timed out: the failures then stand)."""
     import subprocess
     import tempfile
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(FAST_FLAG, "").strip())
@@ -905,9 +910,12 @@ def recheck_with_default_flags(seed, size, only, exclusions, devices: int = 1, c
         cmd += ([] if only is None else ["--program", str(only)]) + ([] if exclusions else ["--no-exclusions"])
         cmd += ([] if devices == 1 else ["--devices", str(devices)])
         cmd += ([] if choices is None else ["--choices", ",".join(map(str, choices))])
-        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
+        try:
+            subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1200)
+        except subprocess.TimeoutExpired:
+            return None
         if not os.path.exists(out):
-            return {(None, "recheck died")}
+            return None
         with open(out) as fh:
             return {(f["program"], f["problem"].split(":")[0]) for f in json.load(fh)["failures"]}
 
@@ -946,7 +954,9 @@ def run_seeds(seeds, size: int = BATCH_SIZE, only: int | None = None, verbose: b
         if result["failures"] and FAST_FLAG in os.environ.get("XLA_FLAGS", ""):
             confirmed = recheck_with_default_flags(batch.seed, size, only, exclusions, devices, choices)
             for f in result["failures"]:
-                (total["failures"] if (f["program"], f["problem"].split(":")[0]) in confirmed
+                if confirmed is None:
+                    f["problem"] += " (the recheck at XLA's default flags did not finish)"
+                (total["failures"] if confirmed is None or (f["program"], f["problem"].split(":")[0]) in confirmed
                  else total["fast_flag_only"]).append(f)
         else:
             total["failures"].extend(result["failures"])

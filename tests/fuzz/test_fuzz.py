@@ -58,10 +58,10 @@ REGRESSION_SEEDS: list[str] = [
     "r660789466657",  # the same, its only result an index (runner.largest_intermediate)
     "r73655148886",  # loops recomputing one product with different chunks (test_loops_recomputing_one_product...)
 ]
-#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,152 programs per run
-#: (64 before the frontier seeds s0-s15 joined the fixed ones; the soak, ``tools/soak.py``, runs fresh
-#: programs by the ten thousand).
-FRESH_SEEDS = 48
+#: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
+#: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an
+#: older one; the soak, ``tools/soak.py``, runs fresh programs by the thousand).
+FRESH_SEEDS = 32
 MIN_PROGRAMS = 2000
 #: Workers compile with XLA's backend optimisation off (both sides alike): it halves compile time,
 #: most of the fuzzer's cost. A difference seen so is re-run with the default flags and counts only
@@ -384,3 +384,16 @@ def test_sharded_programs_match_jax_jit(tmp_path):
     assert not total["failures"], "\n".join(f"{f['program']}: {f['problem']} ({f['reproduce']})"
                                             for f in total["failures"])
     assert total["rewrites"], "no rewrite fired on the sharded programs"
+
+
+def test_grad_out_batches_draw_no_memory_limit_while_remat_raises_there():
+    """``grad_out`` batches run without a memory limit while the remat pass's ``before_linearize`` raises on
+    them (an expected failure in test_regressions.py); when it is fixed, this asks for them back."""
+    marks = [m for m in getattr(test_regressions.test_remat_before_linearize_of_a_cumulative_op, "pytestmark", [])
+             if m.name == "xfail"]
+    if marks:
+        assert "grad_out" not in runner.MEMORY_LIMIT_MODES
+    else:
+        assert "grad_out" in runner.MEMORY_LIMIT_MODES, "the remat defect is fixed: add grad_out to MEMORY_LIMIT_MODES"
+    assert all(runner.draw_batch(f"s{i}").memory_fraction is None
+               for i in range(40) if runner.draw_batch(f"s{i}").mode == "grad_out")

@@ -477,7 +477,10 @@ def test_remat_before_linearize_of_a_cumulative_op(op):
     max, min, product or logsumexp, over its memory limit. The ``remat`` pass's ``before_linearize`` raises
     ``TypeError: unhashable type: 'Literal'`` (with ``HLOPASS_RAISE_PASS_ERRORS`` unset it is skipped and
     the gradient is right). ``cumsum``, and the same gradient taken inside ``hlopass.jit``, do not raise.
-    The fuzzer leaves these pieces out of ``grad_out`` batches meanwhile (tests/fuzz/exclusions.py)."""
+    CI's fresh seeds found the same error on other programs of ``grad_out`` batches under a memory limit:
+    s589597145269 program 6 (``x @ y.T``, ``swapaxes``, ``@ w`` inside the fuzzer's ``custom_jvp``) and
+    s534661316967 program 4 (``cumsum`` along rows, ``sin``, ``sum`` under a ``fori_loop``). Meanwhile no
+    ``grad_out`` batch draws a memory limit (``runner.MEMORY_LIMIT_MODES``; test_fuzz checks the two agree)."""
     x = (np.arange(32, dtype=np.float32)[:, None] % 7) - 3
     y = (np.arange(125, dtype=np.float32)[:, None] % 5) - 2
     fn = lambda x, y: op(x - y.T, axis=0)  # noqa: E731
