@@ -119,9 +119,10 @@ def _residuals(stage: jx.ClosedJaxpr) -> tuple[int, list[int], list[int]]:
     primal, num_res, _, in_fwd, _ = jx.linearize_jaxpr(stage, nzs, is_vjp=True)
     outs = primal.jaxpr.outvars
     n_out = len(outs) - num_res
-    kept_outputs = [outs[:n_out].index(v) for v in outs[n_out:] if v in outs[:n_out]]
-    own_vars = [v for v in outs[n_out:] if v not in outs[:n_out] and isinstance(v, jx.Var)]
-    cheap = derived_residuals(primal.jaxpr.eqns, set(outs[n_out:]) | set(primal.jaxpr.invars))
+    residuals = [v for v in outs[n_out:] if isinstance(v, jx.Var)]  # a constant residual is a Literal
+    kept_outputs = [outs[:n_out].index(v) for v in residuals if v in outs[:n_out]]
+    own_vars = [v for v in residuals if v not in outs[:n_out]]
+    cheap = derived_residuals(primal.jaxpr.eqns, set(residuals) | set(primal.jaxpr.invars))
     own = sum(aval_nbytes(v.aval) for v in set(own_vars) if v not in cheap)
     consts = len(stage.consts)
     kept_inputs = [f - consts for f in in_fwd if f is not None and f >= consts]

@@ -465,10 +465,6 @@ def test_chain_with_a_widening_cast_under_strict_promotion():
 
 
 # ---------------------------------------------------------------------------------------------- remat
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="remat: before_linearize's _residuals (passes/remat/primal.py) puts the residuals of a "
-                          "cummax/cummin/cumprod/cumlogsumexp linearisation in a set, and one is a Literal "
-                          "(unhashable): TypeError, so a user's run skips the pass (open; owner: remat)")
 @pytest.mark.parametrize("op", [lax.cummax, lax.cummin, lax.cumprod, lax.cumlogsumexp])
 def test_remat_before_linearize_of_a_cumulative_op(op):
     """Fresh seed s999306329950, program 5, found by the soak (grad_out under a memory limit of the
@@ -476,11 +472,13 @@ def test_remat_before_linearize_of_a_cumulative_op(op):
     y[None], 0), 1)[0][::2]`` and by hand to this: ``jax.grad`` of a hlopass function holding a cumulative
     max, min, product or logsumexp, over its memory limit. The ``remat`` pass's ``before_linearize`` raises
     ``TypeError: unhashable type: 'Literal'`` (with ``HLOPASS_RAISE_PASS_ERRORS`` unset it is skipped and
-    the gradient is right). ``cumsum``, and the same gradient taken inside ``hlopass.jit``, do not raise.
+    the gradient is right): a residual of those linearisations is a constant, a ``Literal``, which
+    ``_residuals`` put in a set. Fixed; the pass runs and the gradient equals ``jax.jit``'s.
     CI's fresh seeds found the same error on other programs of ``grad_out`` batches under a memory limit:
     s589597145269 program 6 (``x @ y.T``, ``swapaxes``, ``@ w`` inside the fuzzer's ``custom_jvp``) and
-    s534661316967 program 4 (``cumsum`` along rows, ``sin``, ``sum`` under a ``fori_loop``). Meanwhile no
-    ``grad_out`` batch draws a memory limit (``runner.MEMORY_LIMIT_MODES``; test_fuzz checks the two agree)."""
+    s534661316967 program 4 (``cumsum`` along rows, ``sin``, ``sum`` under a ``fori_loop``). ``grad_out``
+    batches still draw no memory limit (``runner.MEMORY_LIMIT_MODES``) until the fixed frontier seeds are
+    run again with one."""
     x = (np.arange(32, dtype=np.float32)[:, None] % 7) - 3
     y = (np.arange(125, dtype=np.float32)[:, None] % 5) - 2
     fn = lambda x, y: op(x - y.T, axis=0)  # noqa: E731
