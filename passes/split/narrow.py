@@ -106,8 +106,8 @@ def producers_along(jaxpr: jx.Jaxpr, producer: dict, value, axis: int, threshold
             return None
         k = eqn.outvars.index(var)
         label = dm.outs[k][d]
-        if label is None or (i in label_of and label_of[i] != label):
-            return None
+        if label is None or label in dm.scanned or (i in label_of and label_of[i] != label):
+            return None  # a cumulative op's slice reads every element before it (or after, reversed)
         eqns.add(i)
         label_of[i] = label
         for out, labels in zip(eqn.outvars, dm.outs):

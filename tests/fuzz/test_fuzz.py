@@ -57,6 +57,7 @@ REGRESSION_SEEDS: list[str] = [
     "r127685842164",  # a bfloat16 grid program past 256 rounds: not exact (runner._exact_in_its_type)
     "r660789466657",  # the same, its only result an index (runner.largest_intermediate)
     "r73655148886",  # loops recomputing one product with different chunks (test_loops_recomputing_one_product...)
+    "s526135303789",  # a row of a reversed cumsum narrowed to its own row (test_a_slice_of_a_cumulative_op...)
 ]
 #: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
 #: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an

@@ -558,3 +558,24 @@ def test_nested_split_of_a_sliced_loop_input_terminates():
     ours = hlopass.jit(fn, threshold="16000", split_size="2000", passes="matrix_chain,split")
     assert any(r.details.get("nested") for r in ours.trace(x, y, w).report.rewrites if r.kind == "split")
     np.testing.assert_allclose(ours(x, y, w), jax.jit(fn)(x, y, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [True, False])
+def test_a_slice_of_a_cumulative_op_is_not_narrowed_along_its_axis(reverse):
+    """Fresh seed s526135303789, program 4 (vmap_in): the split pass's narrowing computed row 0 of
+    ``top_k(cumsum(..., axis=1, reverse=True))`` from row 0 of the cumsum's operand alone, though
+    that row of a reversed cumulative sum adds every row after it (hlopass 0.84 where jax.jit gave
+    48.2). A cumulative op's scanned axis now stops the narrowing; the numbers equal jax.jit's."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 63)).astype(np.float32)
+    y = rng.normal(size=(2, 254)).astype(np.float32)
+
+    def fn(x, y):
+        z = jnp.swapaxes(jnp.sin(x[:, :, None] - y[:, None, :]), 1, 2)   # [2, 254, 63]
+        c = lax.cumsum(z, axis=1, reverse=reverse)
+        return c.at[:, 2].set(c[:, 0])
+
+    ours = hlopass.jit(fn, threshold="64000", split_size="16000", passes="split")
+    report = ours.trace(x, y).report
+    assert not any(r.kind == "narrowed" for r in report.rewrites), report
+    np.testing.assert_allclose(ours(x, y), jax.jit(fn)(x, y), rtol=1e-4, atol=1e-4)
