@@ -360,6 +360,22 @@ def _acceptance(column: str, value: float, plain: float) -> str:
     return "" if bound is None else ("ok" if value <= bound else f"over {bound:.2f} s")
 
 
+def _passes_from_this_checkout() -> None:
+    """Import ``hlopass.passes`` from this checkout's ``passes/``. An editable install maps that name
+    to the installed checkout's folder whatever the working directory, so a baseline child would
+    otherwise run its own engine with this checkout's passes."""
+    import importlib.abc
+    import importlib.machinery
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    class ThisCheckout(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != "hlopass.passes":
+                return None  # its submodules follow the package's __path__
+            return importlib.machinery.PathFinder.find_spec(fullname, [root])
+    sys.meta_path.insert(0, ThisCheckout())
+
+
 def _compile_sources() -> None:
     """Write the bytecode of hlopass, its passes and the fixtures, as ``pip install`` does: where
     ``PYTHONDONTWRITEBYTECODE`` is set, a child would otherwise compile every hlopass module from
@@ -383,6 +399,7 @@ def main(argv=None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
+        _passes_from_this_checkout()
         name, column = args.child.split(":")
         print(RESULT + json.dumps(measure(name, column)), flush=True)
         return 0
