@@ -41,6 +41,53 @@ class DataflowGraph:
                              if var in self.producer for j in readers)
         return graph
 
+    @functools.cached_property
+    def successor_lists(self) -> list[list[int]]:
+        """``successor_lists[i]``: the equations reading a result of equation ``i`` (no networkx)."""
+        succ: list[set[int]] = [set() for _ in self.jaxpr.eqns]
+        for var, readers in self.consumers.items():
+            if var in self.producer:
+                succ[self.producer[var]].update(readers)
+        return [sorted(s) for s in succ]
+
+    @functools.cached_property
+    def predecessor_lists(self) -> list[list[int]]:
+        """``predecessor_lists[j]``: the equations whose results equation ``j`` reads."""
+        pred: list[list[int]] = [[] for _ in self.jaxpr.eqns]
+        for i, readers in enumerate(self.successor_lists):
+            for j in readers:
+                pred[j].append(i)
+        return pred
+
+    def between(self, region: Iterable[int]) -> list[int]:
+        """The equations outside ``region`` on a path that leaves it and re-enters it, in order.
+
+        A jaxpr's equations are in dependency order, so such an equation lies within the region's
+        span and both searches stop at its ends: the cost is the span's, not the program's.
+        """
+        region = region if isinstance(region, (set, frozenset)) else set(region)
+        if not region:
+            return []
+        lo, hi = min(region), max(region)
+        succ, pred = self.successor_lists, self.predecessor_lists
+        out = {j for i in region for j in succ[i] if j < hi and j not in region}
+        stack = list(out)
+        while stack:
+            for j in succ[stack.pop()]:
+                if j < hi and j not in out and j not in region:
+                    out.add(j)
+                    stack.append(j)
+        if not out:
+            return []
+        back: set[int] = set()
+        stack = [i for i in region]
+        while stack:
+            for j in pred[stack.pop()]:
+                if j > lo and j not in back:
+                    back.add(j)
+                    stack.append(j)
+        return sorted(out & back)
+
     def eqn(self, i: int) -> jx.JaxprEqn:
         return self.jaxpr.eqns[i]
 

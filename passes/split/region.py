@@ -370,13 +370,7 @@ class _Grower:
 
     def _between(self, region: SplitRegion) -> list[int]:
         """Equations outside ``region`` on a path that leaves it and re-enters."""
-        graph = self.graph.graph
-        leaving = {succ for i in region.eqns for succ in graph.successors(i) if succ not in region.eqns}
-        if not leaving:
-            return []
-        out = _reachable(leaving, graph.successors)       # one search from all of them, not one per node
-        back = _reachable(region.eqns, graph.predecessors)
-        return sorted((out & back) - region.eqns)
+        return self.graph.between(region.eqns)
 
     def _check(self, region: SplitRegion) -> None:
         self._add_shift_axes(region)
@@ -395,18 +389,6 @@ class _Grower:
                         raise Infeasible(i, "needs a value reduced over the split axis (that would take two passes)")
                     if have != want:
                         raise Infeasible(i, "reads a region value along another axis")
-
-
-def _reachable(starts, step) -> set[int]:
-    """``starts`` and every node reachable from them by ``step`` (successors or predecessors)."""
-    seen = set(starts)
-    stack = list(starts)
-    while stack:
-        for nxt in step(stack.pop()):
-            if nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return seen
 
 
 def grow_region(jaxpr: jx.Jaxpr, graph: DataflowGraph, seed: int, label, split_size: int,
