@@ -98,31 +98,27 @@ def shift_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[
     outside the region; in program order. Empty when there are none."""
     producer = graph.producer
     maxes = {v for i in running_reducers(jaxpr, region) for v in jaxpr.eqns[i].outvars}
+    if not maxes:
+        return []  # an equation on a path from the region reads a region value: none is a maximum
     found: set[int] = set()
     between_set = set(between)
-    changed = True
-    while changed:
-        changed = False
-        for i in between:
-            if i in found:
+    for i in sorted(between):  # program order: an equation's producers are decided before it
+        eqn = jaxpr.eqns[i]
+        if eqn.effects:
+            continue
+        ok = True
+        for atom in eqn.invars:
+            if not isinstance(atom, jx.Var):
                 continue
-            eqn = jaxpr.eqns[i]
-            if eqn.effects:
+            j = producer.get(atom)
+            if atom in maxes or j in found:
                 continue
-            ok = True
-            for atom in eqn.invars:
-                if not isinstance(atom, jx.Var):
-                    continue
-                j = producer.get(atom)
-                if atom in maxes or j in found:
-                    continue
-                if j is None or (j not in region.eqns and j not in between_set):
-                    continue  # an input of the program or a value computed before the region
-                ok = False
-                break
-            if ok:
-                found.add(i)
-                changed = True
+            if j is None or (j not in region.eqns and j not in between_set):
+                continue  # an input of the program or a value computed before the region
+            ok = False
+            break
+        if ok:
+            found.add(i)
     return sorted(found)
 
 
@@ -133,26 +129,24 @@ def final_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[
     producer = graph.producer
     sources = {v for i, monoid in region.reducing.items() if monoid in ("add", *RUNNING) for v in jaxpr.eqns[i].outvars}
     sources |= {v for i in region.shift for v in jaxpr.eqns[i].outvars}
+    if not sources:
+        return []
     found: set[int] = set()
     between_set = set(between)
-    changed = True
-    while changed:
-        changed = False
-        for i in between:
-            if i in found or jaxpr.eqns[i].effects:
+    for i in sorted(between):  # program order: an equation's producers are decided before it
+        if jaxpr.eqns[i].effects:
+            continue
+        ok = True
+        for atom in jaxpr.eqns[i].invars:
+            if not isinstance(atom, jx.Var) or atom in sources:
                 continue
-            ok = True
-            for atom in jaxpr.eqns[i].invars:
-                if not isinstance(atom, jx.Var) or atom in sources:
-                    continue
-                j = producer.get(atom)
-                if j in found or j is None or (j not in region.eqns and j not in between_set):
-                    continue
-                ok = False
-                break
-            if ok:
-                found.add(i)
-                changed = True
+            j = producer.get(atom)
+            if j in found or j is None or (j not in region.eqns and j not in between_set):
+                continue
+            ok = False
+            break
+        if ok:
+            found.add(i)
     return sorted(found)
 
 

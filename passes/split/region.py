@@ -33,7 +33,7 @@ import dataclasses
 
 from hlopass import internals as jx
 
-from hlopass.graph import DataflowGraph
+from hlopass.graph import DataflowGraph, GrowingRegion
 from hlopass.jaxpr_utils import aval_nbytes
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, LAYOUT, REDUCTIONS
 
@@ -231,6 +231,7 @@ class _Grower:
         self.whole = whole   # equations computed once outside the region, read as its inputs
         self.share = device_bytes(jaxpr)
         self.maps: dict[int, DimMap | None] = {}
+        self._growing: GrowingRegion | None = None   # one region grown at a time (see :meth:`grow`)
 
     def dim_map(self, i: int) -> DimMap:
         if i not in self.maps:
@@ -245,6 +246,7 @@ class _Grower:
 
     def grow(self, seed: int, label) -> SplitRegion:
         region = SplitRegion(seed, set(), 0, {}, {}, {}, {})
+        self._growing = None
         queue = collections.deque([(seed, label)])
         for _ in range(len(self.jaxpr.eqns) + 1):
             while queue:
@@ -370,7 +372,9 @@ class _Grower:
 
     def _between(self, region: SplitRegion) -> list[int]:
         """Equations outside ``region`` on a path that leaves it and re-enters."""
-        return self.graph.between(region.eqns)
+        if self._growing is None:
+            self._growing = self.graph.growing()
+        return self._growing.between(region.eqns)
 
     def _check(self, region: SplitRegion) -> None:
         self._add_shift_axes(region)
