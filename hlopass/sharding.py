@@ -204,6 +204,15 @@ def mesh_of(shardings: Sequence[Any] | None):
     return contextlib.nullcontext()
 
 
+def explicit_mesh(closed) -> Any | None:
+    """The mesh of the first explicitly sharded type among ``closed``'s inputs and outputs, else ``None``."""
+    for aval in (*closed.in_avals, *closed.out_avals):
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if any(t == jx.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+            return mesh
+    return None
+
+
 def _named_sharding(text: str, meshes: dict[str, dict[str, int]], rank: int, devices, typed_mesh=None):
     """A ``NamedSharding`` for an ``#sdy.sharding<...>`` attribute's text (``None`` for sub-axes or a rank
     mismatch); the mesh takes the axis types of ``typed_mesh`` (an explicit type's), else ``Auto``."""

@@ -10,9 +10,10 @@ symmetry of the Hessian this equals what reverse-over-reverse autodiff
 computes, without keeping the inner backward pass's activations: the rule
 saves only the loss's inputs.
 
-Values the loss closes over that may carry derivatives (tracers of an outer
-transformation) are hoisted into explicit inputs with ``jax.closure_convert``
-so that they receive their cotangents too.
+Values the loss closes over that are tracers of an outer transformation are
+hoisted into explicit inputs (:func:`closure_convert_traced`), so that they
+receive their cotangents too and none is read by the backward rule after its
+trace has ended.
 
 Both ways into the pass (:mod:`.trace`, :mod:`.regions`) trace their
 replacements under the named scope :data:`SCOPE` and report them with
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from hlopass import internals as jx
 from hlopass.jaxpr_utils import iter_eqns, subjaxprs
 from hlopass.report import Note
 
@@ -98,7 +100,7 @@ def fwdrev_value_and_grad(loss: Callable, argnums: int | Sequence[int] = 0, has_
             out = loss(*jax.tree_util.tree_unflatten(in_tree, flat), **kwargs)
             return out if has_aux else (out, None)
 
-        converted, hoisted = jax.closure_convert(flat_loss, *leaves)
+        converted, hoisted = closure_convert_traced(flat_loss, *leaves)
         value, aux, grads = _fwdrev_call(converted, len(leaves), positions, has_aux)(*leaves, *hoisted)
         grads_tree = _grads_like(args, nums, grads)
         return ((value, aux), grads_tree) if has_aux else (value, grads_tree)
@@ -116,6 +118,26 @@ def fwdrev_grad(loss: Callable, argnums: int | Sequence[int] = 0, has_aux: bool 
         return (grads, value_aux[1]) if has_aux else grads
 
     return grad
+
+
+def closure_convert_traced(fun: Callable, *flat_args) -> tuple[Callable, list[Any]]:
+    """``jax.closure_convert`` of ``fun`` (flat arguments), hoisting every traced value it closes
+    over, whatever its type. ``jax.closure_convert`` hoists only values that may carry a tangent, so
+    an integer index batched by an outer ``vmap`` stayed inside and escaped its trace when the
+    backward rule ran (fresh seed s213490826529, ``shard_map`` of ``vmap`` of a gradient)."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*flat_args)
+    traced = [isinstance(c, jx.Tracer) for c in closed.consts]
+    kept = [c for c, t in zip(closed.consts, traced) if not t]
+    hoisted = [c for c, t in zip(closed.consts, traced) if t]
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def converted(*args_and_hoisted):
+        split = len(args_and_hoisted) - len(hoisted)
+        kept_it, hoisted_it = iter(kept), iter(args_and_hoisted[split:])
+        consts = [next(hoisted_it) if t else next(kept_it) for t in traced]
+        outs = jx.jaxpr_as_fun(jx.ClosedJaxpr(closed.jaxpr, consts))(*args_and_hoisted[:split])
+        return jax.tree_util.tree_unflatten(out_tree, list(outs))
+    return converted, hoisted
 
 
 def _leaf_positions(args: tuple, nums: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

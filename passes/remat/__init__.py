@@ -48,6 +48,7 @@ from hlopass.jaxpr_utils import dce
 from hlopass.memory import footprint, upper_bound
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
+from hlopass.sharding import explicit_mesh
 from hlopass.sizes import format_size
 
 from .chain import analyse, keeps_residuals
@@ -106,6 +107,10 @@ class RematPass(Pass):
         """:meth:`run` past the cheap checks; ``None`` for "unchanged"."""
         report = PassReport(self.name)
         limit = config.memory_limit
+        if explicit_mesh(closed) is not None:
+            report.skip("<memory limit>", "remat", "explicitly sharded types (jax.sharding.AxisType.Explicit): "
+                        "the pass measures and emits programs without their mesh, so it leaves them as written")
+            return None, report
         footprint0 = footprint(closed, typed=False).footprint
         if footprint0 <= limit:
             return None, report

@@ -387,6 +387,27 @@ def test_sharded_programs_match_jax_jit(tmp_path):
     assert total["rewrites"], "no rewrite fired on the sharded programs"
 
 
+#: Soak findings on 4 host devices, each a (seed, program) run in a child: the remat pass measured
+#: explicitly sharded programs without their mesh and raised (it now leaves them as written and says
+#: so), and the hvp pass left an integer index batched by vmap inside its custom rule.
+SHARDED_REGRESSIONS = [("s620735810814", 1), ("s620735810814", 3), ("s213490826529", 0)]
+
+
+@pytest.mark.parametrize("seed,program", SHARDED_REGRESSIONS)
+def test_sharded_regressions(tmp_path, seed, program):
+    out = tmp_path / "sharded.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HLOPASS_RAISE_PASS_ERRORS="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WORKER_XLA_FLAGS).strip())
+    done = subprocess.run([sys.executable, "-m", "tests.fuzz.runner", "--seeds", seed, "--size", "8",
+                           "--program", str(program), "--devices", "4", "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-5000:]
+    total = json.loads(out.read_text())
+    assert total["programs"] == 1 and set(total["modes"]) <= set(runner.SHARDED_MODES), total
+    assert not total["failures"], "\n".join(f"{f['program']}: {f['problem']}" for f in total["failures"])
+
+
 def test_grad_out_batches_draw_no_memory_limit_yet():
     """``grad_out`` batches run without a memory limit: the remat pass's ``before_linearize`` raised on
     them (test_regressions.py::test_remat_before_linearize_of_a_cumulative_op, fixed); they get one back

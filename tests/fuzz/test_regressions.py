@@ -579,3 +579,29 @@ def test_a_slice_of_a_cumulative_op_is_not_narrowed_along_its_axis(reverse):
     report = ours.trace(x, y).report
     assert not any(r.kind == "narrowed" for r in report.rewrites), report
     np.testing.assert_allclose(ours(x, y), jax.jit(fn)(x, y), rtol=1e-4, atol=1e-4)
+
+
+def test_hvp_hoists_an_integer_index_batched_by_an_outer_vmap():
+    """Soak seed s213490826529, program 0 (``sharded_grad``): a gradient taken inside a hlopass
+    function, of a loss indexing with an integer array batched by an outer ``vmap``, raised
+    UnexpectedTracerError: ``jax.closure_convert`` hoists only values that may carry a tangent, so the
+    index stayed in the hvp pass's custom rule and was read after its trace ended. Every traced value
+    the loss closes over is hoisted now; values and gradients equal jax.jit's."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3, 17)).astype(np.float32)
+    idx = rng.integers(0, 17, size=(3, 4)).astype(np.int32)
+
+    def fn(x, idx):
+        value, g = jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x[idx]) ** 2))(x)
+        return value + jnp.sum(g * x)
+
+    def total(program):
+        return lambda x, idx: jnp.sum(jax.vmap(program)(x, idx))
+
+    ours = hlopass.jit(jax.value_and_grad(total(fn)))
+    want = jax.jit(jax.value_and_grad(total(fn)))
+    assert any(r.kind == "fwdrev_hvp" for r in ours.trace(x, idx).report.rewrites)
+    got_value, got_grad = ours(x, idx)
+    want_value, want_grad = want(x, idx)
+    np.testing.assert_allclose(got_value, want_value, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5)
