@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+from collections.abc import Iterable, Sequence
 
 import networkx as nx
 from hlopass import internals as jx
@@ -174,28 +174,60 @@ class DataflowGraph:
 
 class GrowingRegion:
     """:meth:`DataflowGraph.between` for a region that gains equations between calls (a region
-    grower's loop): the masks of the equations already seen are kept, not rebuilt each call."""
+    grower's loop), told each equation as it is added (:meth:`add`): the masks of the region's
+    descendants and ancestors are kept, not rebuilt each call."""
 
     def __init__(self, graph: DataflowGraph):
         self.graph = graph
         self.closure = graph._closure if len(graph.jaxpr.eqns) <= graph.CLOSURE_LIMIT else None
-        self.seen: set[int] = set()
+        self.count = 0
         self.down = self.up = self.inside = 0
 
-    def between(self, region: set[int]) -> list[int]:
-        """``graph.between(region)``; ``region`` holds every equation of the previous call's."""
-        if self.closure is None or not self.seen <= region:
-            return self.graph.between(region)
+    def add(self, i: int) -> None:
+        """Equation ``i`` joined the region."""
+        if self.closure is None or self.inside >> i & 1:
+            return
         descendants, ancestors = self.closure
-        for i in region - self.seen:
-            self.down |= descendants[i]
-            self.up |= ancestors[i]
-            self.inside |= 1 << i
-        self.seen |= region
-        mask = self.down & self.up & ~self.inside
-        found = []
-        while mask:
-            low = mask & -mask
-            found.append(low.bit_length() - 1)
-            mask ^= low
-        return found
+        self.down |= descendants[i]
+        self.up |= ancestors[i]
+        self.inside |= 1 << i
+        self.count += 1
+
+    def between(self, region: set[int]) -> Sequence[int]:
+        """``graph.between(region)``, ``region`` being the equations added so far (listed only when
+        more than the first is read: a grower mostly wants the first)."""
+        if self.closure is None or len(region) != self.count:  # not told of every equation: search
+            return self.graph.between(region)
+        return _Bits(self.down & self.up & ~self.inside)
+
+
+class _Bits(Sequence):
+    """The set bits of a mask, in increasing order, as a sequence."""
+
+    def __init__(self, mask: int):
+        self.mask = mask
+        self._listed: list[int] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.mask)
+
+    def __getitem__(self, k):
+        if k == 0 and self.mask:
+            return (self.mask & -self.mask).bit_length() - 1
+        return self._list()[k]
+
+    def __len__(self) -> int:
+        return self.mask.bit_count()
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def _list(self) -> list[int]:
+        if self._listed is None:
+            found, mask = [], self.mask
+            while mask:
+                low = mask & -mask
+                found.append(low.bit_length() - 1)
+                mask ^= low
+            self._listed = found
+        return self._listed

@@ -231,7 +231,7 @@ class _Grower:
         self.whole = whole   # equations computed once outside the region, read as its inputs
         self.share = device_bytes(jaxpr)
         self.maps: dict[int, DimMap | None] = {}
-        self._growing: GrowingRegion | None = None   # one region grown at a time (see :meth:`grow`)
+        self._growing: GrowingRegion | None = None   # the region being grown (told each equation added)
 
     def dim_map(self, i: int) -> DimMap:
         if i not in self.maps:
@@ -246,7 +246,7 @@ class _Grower:
 
     def grow(self, seed: int, label) -> SplitRegion:
         region = SplitRegion(seed, set(), 0, {}, {}, {}, {})
-        self._growing = None
+        self._growing = self.graph.growing()
         queue = collections.deque([(seed, label)])
         for _ in range(len(self.jaxpr.eqns) + 1):
             while queue:
@@ -287,9 +287,9 @@ class _Grower:
             raise Infeasible(first, "a cumulative op along the split axis beside a running maximum, top-k, "
                                     "arg-reduction or scatter")
 
-    @staticmethod
-    def _add_shift(region: SplitRegion, i: int) -> None:
+    def _add_shift(self, region: SplitRegion, i: int) -> None:
         region.eqns.add(i)
+        self._growing.add(i)
         region.shift.add(i)
         region.label[i] = None
 
@@ -314,6 +314,7 @@ class _Grower:
         if label is None:
             raise Infeasible(i, f"{eqn.primitive.name} cannot be sliced along the split axis")
         region.eqns.add(i)
+        self._growing.add(i)
         region.label[i] = label
         if label in dm.reduced:
             region.reducing[i] = dm.reduced[label]
@@ -372,8 +373,6 @@ class _Grower:
 
     def _between(self, region: SplitRegion) -> list[int]:
         """Equations outside ``region`` on a path that leaves it and re-enters."""
-        if self._growing is None:
-            self._growing = self.graph.growing()
         return self._growing.between(region.eqns)
 
     def _check(self, region: SplitRegion) -> None:
