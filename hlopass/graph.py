@@ -104,13 +104,7 @@ class DataflowGraph:
                 down |= descendants[i]
                 up |= ancestors[i]
                 inside |= 1 << i
-            mask = down & up & ~inside
-            found = []
-            while mask:
-                low = mask & -mask
-                found.append(low.bit_length() - 1)
-                mask ^= low
-            return found
+            return list(_Bits(down & up & ~inside))
         lo, hi = min(region), max(region)
         succ, pred = self.successor_lists, self.predecessor_lists
         out = {j for i in region for j in succ[i] if j < hi and j not in region}
