@@ -19,7 +19,7 @@ from hlopass.config import Config
 from hlopass.errors import ConfigError
 from hlopass.jaxpr_utils import trace_flat
 from hlopass.memory import enforce, measure
-from hlopass.pipeline import run_pipeline, trace_contexts
+from hlopass.pipeline import retrace_wanted, run_pipeline, trace_contexts
 
 logger = logging.getLogger("hlopass")
 
@@ -196,19 +196,25 @@ class StagedFunction:
         dynamic = [isinstance(leaf, jx.Tracer) for leaf in leaves]
         out_tree = []
         notes: list = []
+        again: tuple[str, ...] = ()
 
         def flat_fun(*dynamic_values):
             values = iter(dynamic_values)
             full = [next(values) if d else leaf for leaf, d in zip(leaves, dynamic)]
             call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-            with trace_contexts(config, notes):
+            with trace_contexts(config, notes, again):
                 result = fun(*call_args, **call_kwargs)
             out_leaves, tree = jax.tree_util.tree_flatten(result)
-            out_tree.append(tree)
+            out_tree[:] = [tree]
             return out_leaves
 
         dynamic_leaves = [leaf for leaf, d in zip(leaves, dynamic) if d]
-        closed = trace_flat(flat_fun, [jx.typeof(x) for x in dynamic_leaves], label)
+        in_avals = [jx.typeof(x) for x in dynamic_leaves]
+        closed = trace_flat(flat_fun, in_avals, label)
+        again = retrace_wanted(closed, config)
+        if again:  # a pass's trace-time work matters here: traced once more, with its findings alone
+            notes.clear()
+            closed = trace_flat(flat_fun, in_avals, label)
         consts = list(closed.consts)
         body = jx.ClosedJaxpr(jx.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
         outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label,

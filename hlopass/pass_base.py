@@ -14,6 +14,10 @@ the pass instances it holds, only for enabled passes, in pipeline order:
 
 * :meth:`Pass.trace_context`: a context entered while ``hlopass.jit`` traces
   the user's function (before JAX's transformations have run);
+* :meth:`Pass.wants_retrace` and :meth:`Pass.retrace_context`: a pass whose
+  trace-time work costs a trace of its own may do it only where the traced
+  program shows it can matter: asked after the first trace, it has the
+  function traced once more under its ``retrace_context``;
 * :meth:`Pass.before_linearize`: a rewrite of a jaxpr that JAX is about to
   linearise (``jax.grad`` of a hlopass function).
 
@@ -156,6 +160,16 @@ class Pass:
 
         Findings appended to ``notes`` reach this pass's report for the traced program.
         """
+        return None
+
+    def wants_retrace(self, closed: jx.ClosedJaxpr, config: Config) -> bool:
+        """Whether the function, traced to ``closed`` under every :meth:`trace_context`, must be traced
+        again with this pass's :meth:`retrace_context` in place of its ``trace_context``."""
+        return False
+
+    def retrace_context(self, config: Config, notes: list[Note]) -> ContextManager | None:
+        """The context this pass enters, instead of :meth:`trace_context`, when the function is traced
+        again because :meth:`wants_retrace` said so."""
         return None
 
     def before_linearize(self, closed: jx.ClosedJaxpr, config: Config,

@@ -242,14 +242,24 @@ def _check_signature(before: jx.ClosedJaxpr, after: jx.ClosedJaxpr, name: str) -
 
 
 @contextlib.contextmanager
-def trace_contexts(config: Config, notes: list[Note]) -> Iterator[None]:
-    """Enter the enabled passes' :meth:`~hlopass.pass_base.Pass.trace_context` s, in pipeline order."""
+def trace_contexts(config: Config, notes: list[Note], again: Sequence[str] = ()) -> Iterator[None]:
+    """Enter the enabled passes' :meth:`~hlopass.pass_base.Pass.trace_context` s, in pipeline order;
+    the passes named in ``again`` enter their :meth:`~hlopass.pass_base.Pass.retrace_context`."""
     with contextlib.ExitStack() as stack:
         for pass_ in placed(config):
-            context = pass_.trace_context(config, notes)
+            if pass_.name in again:
+                context = pass_.retrace_context(config, notes)
+            else:
+                context = pass_.trace_context(config, notes)
             if context is not None:
                 stack.enter_context(context)
         yield
+
+
+def retrace_wanted(closed: jx.ClosedJaxpr, config: Config) -> tuple[str, ...]:
+    """The enabled passes that want the function traced to ``closed`` traced again
+    (:meth:`~hlopass.pass_base.Pass.wants_retrace`)."""
+    return tuple(p.name for p in placed(config) if p.wants_retrace(closed, config))
 
 
 def before_linearize(closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, tuple[Note, ...]]:

@@ -64,10 +64,13 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.errors import ConfigError
+from hlopass.jaxpr_utils import iter_eqns
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 
@@ -111,6 +114,15 @@ class AdjointOptions:
             raise ConfigError("AdjointPass options truncate= and sequence_axis= cannot be combined")
 
 
+def _transposed_scan(eqn) -> bool:
+    if eqn.primitive.name != "scan" or not eqn.params.get("reverse"):
+        return False
+    start = eqn.params["num_consts"]
+    carry = eqn.invars[start:start + eqn.params["num_carry"]]
+    dtypes = (getattr(v.aval, "dtype", None) for v in carry)
+    return any(d is not None and jnp.issubdtype(d, np.inexact) for d in dtypes)
+
+
 def _checks_on() -> bool:
     return os.environ.get("HLOPASS_CHECK_PASSES", "") not in ("", "0") or bool(jax.config.jax_enable_checks)
 
@@ -138,9 +150,25 @@ class AdjointPass(Pass):
                               f"no scan in the differentiated program: options {self!r} have no effect",
                               "options"))
 
-    @contextlib.contextmanager
     def trace_context(self, config: Config, notes: list[Note]):
-        """``jax.grad`` inside the hlopass function: linear recurrences get adjoint VJPs while tracing.
+        """``jax.grad`` inside the hlopass function. With options given, every gradient is probed for
+        linear recurrences while tracing (:meth:`retrace_context`); by default the function is traced
+        as written (``lax.associative_scan`` recurrences excepted), and traced again, probed, only if
+        the program JAX built holds a scan it differentiated (:meth:`wants_retrace`)."""
+        if self.options != AdjointOptions():
+            return self.retrace_context(config, notes)
+        return intercept_associative(notes)
+
+    def wants_retrace(self, closed: jx.ClosedJaxpr, config: Config) -> bool:
+        """Whether ``closed`` (traced with default options) holds a transposed scan: a ``lax.scan``
+        whose carry JAX differentiated in reverse mode runs backwards (``reverse=True``) with an
+        inexact carry. Any other program has no recurrence this pass would replace."""
+        return self.options == AdjointOptions() and any(
+            _transposed_scan(e) for e in iter_eqns(closed.jaxpr))
+
+    @contextlib.contextmanager
+    def retrace_context(self, config: Config, notes: list[Note]):
+        """Linear recurrences in gradients taken inside the function get adjoint VJPs while tracing.
         Options given for a function whose gradients hold no scan are a report line."""
         with intercept_gradients(notes, config.memory_limit, self.options, _checks_on()) as differentiated, \
                 intercept_associative(notes):

@@ -2,7 +2,9 @@
 
 Once JAX has differentiated a program, its scan is already split into a
 forward scan that keeps every step's values and a transposed one. So, while
-``hlopass.jit`` traces the user's function (:meth:`hlopass.Pass.trace_context`),
+``hlopass.jit`` traces the user's function (:meth:`hlopass.Pass.retrace_context`:
+with default options, only the second trace of a function whose first one
+holds a transposed scan),
 :func:`intercept_gradients` replaces JAX's ``vjp`` entry point (through which
 ``jax.grad``, ``jax.value_and_grad``, ``jax.jacrev`` and ``jax.vjp`` go) by
 one that traces the function being differentiated to a jaxpr, replaces its
