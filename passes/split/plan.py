@@ -302,9 +302,13 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
 
 def _recompute_staged(current, plans, failures, config: Config, report: PassReport, options: SplitOptions,
                       broken: set, online: bool, split_level: SplitLevel):
+    memo: list = [None, None]   # the last jaxpr asked about (kept alive, so its id stays its own) and its answer
+
     def candidates_of(jaxpr):
-        found = staged_values(jaxpr, config.split_size, online)
-        return found[::-1] if online else found
+        if memo[0] is not jaxpr:
+            found = staged_values(jaxpr, config.split_size, online)
+            memo[:] = [jaxpr, found[::-1] if online else found]
+        return memo[1]
 
     tried = 0
     for _ in range(len(current.jaxpr.eqns)):

@@ -51,18 +51,14 @@ def recompute_for_later_stages(closed: jx.ClosedJaxpr, var: jx.Var, large: int,
     """``closed`` where the readers of ``var`` in later stages read a copy computed again (one copy per
     further stage)."""
     jaxpr = closed.jaxpr
-    for _ in range(len(jaxpr.eqns)):
-        graph = DataflowGraph(jaxpr)
-        if var not in graph.producer:
-            break
-        later = _Stages(jaxpr, graph, large, online).later_readers(var)
-        cone = _cone(jaxpr, graph, graph.producer[var], large) if later else None
-        if cone is None:
-            break
-        jaxpr, var = _with_copy(jaxpr, cone, later, var)
-    if jaxpr is closed.jaxpr:
+    graph = DataflowGraph(jaxpr)
+    if var not in graph.producer:
         return closed
-    return dce(jx.ClosedJaxpr(jaxpr, closed.consts))
+    groups = _Stages(jaxpr, graph, large, online).later_stages(var)
+    cone = _cone(jaxpr, graph, graph.producer[var], large) if groups else None
+    if cone is None:
+        return closed
+    return dce(jx.ClosedJaxpr(_with_copies(jaxpr, cone, groups), closed.consts))
 
 
 class _Stages:
@@ -76,7 +72,10 @@ class _Stages:
 
     def __init__(self, jaxpr: jx.Jaxpr, graph: DataflowGraph, large: int, online: bool = False):
         self.jaxpr, self.graph, self.large = jaxpr, graph, large
-        self.share = device_bytes(jaxpr)
+        share = device_bytes(jaxpr)
+        self.large_values = {v for v in (*jaxpr.constvars, *jaxpr.invars) if share(v) > large}
+        self.large_values.update(v for eqn in jaxpr.eqns for v in eqn.outvars
+                                 if not isinstance(v, jx.DropVar) and share(v) > large)
         self.level: dict = {}
         for eqn in jaxpr.eqns:
             here = max((self.level.get(a, 0) for a in eqn.invars if isinstance(a, jx.Var)), default=0)
@@ -98,16 +97,21 @@ class _Stages:
             self.meets[i] = best
 
     def _large(self, atom) -> bool:
-        return isinstance(atom, jx.Var) and self.share(atom) > self.large
+        return isinstance(atom, jx.Var) and atom in self.large_values
 
     def later_readers(self, var) -> list[int]:
         """Readers of ``var`` in a later stage than its first."""
+        return [j for group in self.later_stages(var) for j in group]
+
+    def later_stages(self, var) -> list[list[int]]:
+        """Readers of ``var`` in each stage after its first (in order of stage, each in program order)."""
         readers = sorted(set(self.graph.uses(var)))
         if len(readers) < 2:
             return []
-        stage = {j: self.meets[j] for j in readers}
-        first = min(stage.values())
-        return [j for j in readers if stage[j] > first]
+        stages: dict[int, list[int]] = {}
+        for j in readers:
+            stages.setdefault(self.meets[j], []).append(j)
+        return [stages[level] for level in sorted(stages)[1:]]
 
 
 def _cone(jaxpr: jx.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[int] | None:
@@ -144,23 +148,26 @@ def _elementwise_of_large(eqn, large: int, share) -> bool:
         isinstance(a, jx.Var) and share(a) > large for a in eqn.invars)
 
 
-def _with_copy(jaxpr: jx.Jaxpr, cone: list[int], later: list[int], var: jx.Var):
-    """``jaxpr`` where the ``later`` readers read a fresh copy of the ``cone`` equations' results,
-    placed just before the first of them; and the copy of ``var``."""
-    rename: dict = {}
-    copies = []
-    for j in cone:
-        eqn = jaxpr.eqns[j]
-        outvars = [v if isinstance(v, jx.DropVar) else jx.Var(v.aval) for v in eqn.outvars]
-        rename.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, jx.DropVar))
-        invars = [rename.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars]
-        copies.append(eqn.replace(invars=invars, outvars=outvars))
-    later_set, first = set(later), min(later)
+def _with_copies(jaxpr: jx.Jaxpr, cone: list[int], groups: list[list[int]]) -> jx.Jaxpr:
+    """``jaxpr`` where each group of readers reads its own fresh copy of the ``cone`` equations'
+    results, placed just before the group's first reader."""
+    copies_at: dict[int, list] = {}
+    rename_of: dict[int, dict] = {}
+    for group in groups:
+        rename: dict = {}
+        copies = copies_at.setdefault(min(group), [])
+        for j in cone:
+            eqn = jaxpr.eqns[j]
+            outvars = [v if isinstance(v, jx.DropVar) else jx.Var(v.aval) for v in eqn.outvars]
+            rename.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, jx.DropVar))
+            invars = [rename.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars]
+            copies.append(eqn.replace(invars=invars, outvars=outvars))
+        rename_of.update((k, rename) for k in group)
     eqns = []
     for k, eqn in enumerate(jaxpr.eqns):
-        if k == first:
-            eqns.extend(copies)
-        if k in later_set:
+        eqns.extend(copies_at.get(k, ()))
+        rename = rename_of.get(k)
+        if rename is not None:
             eqn = eqn.replace(invars=[rename.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars])
         eqns.append(eqn)
-    return jaxpr.replace(eqns=eqns), rename[var]
+    return jaxpr.replace(eqns=eqns)

@@ -98,6 +98,8 @@ def _propagate(jaxpr: jx.Jaxpr, known: dict) -> dict:
             if pieces is not None:
                 known[var] = pieces
                 fixed.add(var)
+    if not known:  # nothing is cut: the sweeps would find nothing
+        return known
     maps = {}
     for _ in range(_SWEEPS):
         changed = False
