@@ -714,8 +714,9 @@ def _like(partial, state):
 
 
 def _accumulator_dtype(monoid: str, dtype):
-    """Sums and products of 16-bit floats accumulate across slices in float32 (as XLA does within one)."""
-    if monoid in ("add", "mul") and _is_low_float(dtype):
+    """Sums, products and running log-sum-exps of 16-bit floats accumulate across slices in float32 (as
+    XLA does within one): in 16 bits a running total stops growing once each term is under half its ulp."""
+    if monoid in ("add", "mul", "logaddexp") and _is_low_float(dtype):
         return jnp.float32
     return dtype
 

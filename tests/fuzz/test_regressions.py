@@ -418,6 +418,27 @@ def test_split_bfloat16_cumsum_runs_in_float32_within_each_slice():
     assert result["rewrites"]["split:split"] >= 1 and not result["failures"], result["failures"]
 
 
+def test_split_bfloat16_cumlogsumexp_carries_its_running_total_in_float32():
+    """Soak seed s330764461165, program 7 (bfloat16, ``cumlogsumexp`` down the rows of
+    ``sin(x[:, None] - y[None])``, then summed along the rows, under ``jax.vmap``): split one row per
+    step, the running log-sum-exp was carried in bfloat16; past a few dozen rows each row adds less
+    than half its ulp, so it stopped growing: 125 from the float32 run where jax.jit is 6.7. It is
+    carried (and each slice's own ``cumlogsumexp`` runs) in float32 now, as for a ``cumsum``."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=219) * 2, jnp.bfloat16)
+    y = jnp.asarray(rng.normal(size=220) * 2, jnp.bfloat16)
+
+    def fn(x, y):
+        return jnp.sum(lax.cumlogsumexp(jnp.sin(x[:, None] - y[None]), axis=0), axis=1)
+
+    ours = hlopass.jit(fn, threshold=8000, split_size=2000)
+    assert any(r.kind == "split" for r in ours.trace(x, y).report.rewrites)
+    wide = np.asarray(jax.jit(fn)(x.astype(np.float32), y.astype(np.float32)))
+    ours_error = np.max(np.abs(np.asarray(ours(x, y), np.float32) - wide))
+    jit_error = np.max(np.abs(np.asarray(jax.jit(fn)(x, y), np.float32) - wide))
+    assert ours_error <= 2 * jit_error + 1.0, (ours_error, jit_error)
+
+
 def test_expanded_distance_with_inf_and_nan_then_products():
     """Fuzzer seed 9, program 6: the expanded distance's non-finite entries, then products, were NaN
     where plain gives ±Inf; the finite guard reruns the written program for them."""
