@@ -73,7 +73,7 @@ from .driver import inline_calls_holding_large, split_level, split_nested
 from .options import SplitOptions
 from .plan import MAX_NESTING, choose_chunk
 from .report import carried_state, error_text
-from .shares import device_bytes, sharded_values, top_program
+from .shares import analyses_kept, device_bytes, sharded_values, top_program
 
 __all__ = ["MAX_NESTING", "SplitOptions", "SplitPass", "carried_state", "choose_chunk", "inline_calls_holding_large",
            "sharded_values", "split_level", "split_nested"]
@@ -97,7 +97,8 @@ class SplitPass(Pass):
         return facts.above(config.threshold)
 
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
-        with top_program(closed.jaxpr):  # the jit arguments' shardings are this program's inputs'
+        # the jit arguments' shardings are this program's inputs'; values' sizes and equations' maps asked once
+        with top_program(closed.jaxpr), analyses_kept():
             return self._run(closed, config)
 
     def _run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:

@@ -87,7 +87,7 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
 
 def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions, unrolled: dict):
     best, why = None, (seed, seed, "no splittable axis on the large operand")
-    for label in seed_labels(jaxpr, seed, config.threshold):
+    for label in seed_labels(jaxpr, seed, config.threshold, graph):
         try:
             region = grow_region(jaxpr, graph, seed, label, config.split_size)
         except Infeasible as err:

@@ -194,6 +194,17 @@ def seeds(jaxpr: jx.Jaxpr, threshold: int) -> list[int]:
     return found
 
 
+class _ProducerEqns:
+    """``producers.get(var)``: the equation defining ``var`` (``None`` for an input), from a graph."""
+
+    def __init__(self, graph: DataflowGraph):
+        self.graph = graph
+
+    def get(self, var):
+        i = self.graph.producer.get(var)
+        return None if i is None else self.graph.jaxpr.eqns[i]
+
+
 def _effective_nbytes(share, producers, atom) -> int:
     """Bytes (``share``: one device's) of ``atom``, or of its producer's largest operand when that is
     larger (``any(x > 0)`` reduces a small boolean made from a large ``x``)."""
@@ -206,14 +217,14 @@ def _effective_nbytes(share, producers, atom) -> int:
     return size
 
 
-def seed_labels(jaxpr: jx.Jaxpr, seed: int, threshold: int) -> list[object]:
+def seed_labels(jaxpr: jx.Jaxpr, seed: int, threshold: int, graph: DataflowGraph | None = None) -> list[object]:
     """Candidate split labels of ``seed``: the splittable dimensions of its large operands."""
     eqn = jaxpr.eqns[seed]
     dm = dim_map(eqn)
     if dm is None:
         return []
     labels = []
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    producers = _ProducerEqns(graph or DataflowGraph(jaxpr))
     share = device_bytes(jaxpr)
     for atom, ins in zip(eqn.invars, dm.ins):
         if _effective_nbytes(share, producers, atom) > threshold:

@@ -23,7 +23,9 @@ region (the report names them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Callable, Hashable
 
 import numpy as np
@@ -329,11 +331,33 @@ AXIS_RULES: dict[str, Callable[[jx.JaxprEqn], DimMap]] = {
 
 
 def dim_map(eqn: jx.JaxprEqn) -> DimMap | None:
-    """The rule's labelling of ``eqn``, or ``None`` when hlopass has no rule for its primitive."""
+    """The rule's labelling of ``eqn``, or ``None`` when hlopass has no rule for its primitive (read
+    only: while :func:`maps_kept` is active one equation's map is shared by every analysis that asks)."""
+    kept = getattr(_kept, "maps", None)
+    if kept is not None:
+        cached = kept.get(id(eqn))
+        if cached is not None and cached[0] is eqn:
+            return cached[1]
     rule = AXIS_RULES.get(eqn.primitive.name)
-    if rule is None or eqn.effects:
-        return None
-    return rule(eqn)
+    dm = None if rule is None or eqn.effects else rule(eqn)
+    if kept is not None:
+        kept[id(eqn)] = (eqn, dm)   # the equation is kept with its map, so its id is not reused meanwhile
+    return dm
+
+
+_kept = threading.local()
+
+
+@contextlib.contextmanager
+def maps_kept():
+    """Within: :func:`dim_map` answers each equation once (the split planner asks about the same
+    equations in every round); the equations are let go on leaving."""
+    outer = getattr(_kept, "maps", None)
+    _kept.maps = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _kept.maps = outer
 
 
 # -- shape parameters of a slice -------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import threading
 import weakref
 from typing import Callable
 
@@ -21,7 +22,7 @@ from hlopass import internals as jx
 from hlopass.jaxpr_utils import aval_nbytes, call_body
 from hlopass.sharding import input_shards, sharding_pieces, type_shards
 
-from .rules import dim_map
+from .rules import dim_map, maps_kept
 
 #: The input types of the program the split pass was given (set by :func:`top_program`): only a
 #: jaxpr whose inputs have these types takes the jax.jit arguments' shardings.
@@ -178,7 +179,31 @@ def _backward(eqn, i: int, known: dict, fixed: set, maps: dict) -> bool:
 
 
 def _whole(atom) -> int:
-    return aval_nbytes(atom.aval) if hasattr(atom, "aval") else 0
+    kept = getattr(_kept, "sizes", None)
+    if kept is not None:
+        cached = kept.get(id(atom))
+        if cached is not None and cached[0] is atom:
+            return cached[1]
+    size = aval_nbytes(atom.aval) if hasattr(atom, "aval") else 0
+    if kept is not None:
+        kept[id(atom)] = (atom, size)   # kept with its size, so its id is not reused meanwhile
+    return size
+
+
+_kept = threading.local()
+
+
+@contextlib.contextmanager
+def analyses_kept():
+    """Within: each value's bytes and each equation's dimension map (:func:`.rules.maps_kept`) are
+    computed once; the planner asks about the same values in every round. Let go on leaving."""
+    outer = getattr(_kept, "sizes", None)
+    _kept.sizes = {} if outer is None else outer
+    try:
+        with maps_kept():
+            yield
+    finally:
+        _kept.sizes = outer
 
 
 #: Primitives whose operand XLA's SPMD partitioner gathers onto every device whatever its sharding
