@@ -23,15 +23,15 @@ region (the report names them).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from typing import Callable, Hashable
 
 import numpy as np
 from hlopass import internals as jx
 
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS, dot_general_labels
+
+from .kept import Kept
 
 Label = Hashable
 
@@ -332,32 +332,17 @@ AXIS_RULES: dict[str, Callable[[jx.JaxprEqn], DimMap]] = {
 
 def dim_map(eqn: jx.JaxprEqn) -> DimMap | None:
     """The rule's labelling of ``eqn``, or ``None`` when hlopass has no rule for its primitive (read
-    only: while :func:`maps_kept` is active one equation's map is shared by every analysis that asks)."""
-    kept = getattr(_kept, "maps", None)
-    if kept is not None:
-        cached = kept.get(id(eqn))
-        if cached is not None and cached[0] is eqn:
-            return cached[1]
+    only: within a split pass one equation's map is shared by every analysis that asks, see :data:`MAPS`)."""
+    return MAPS.get(eqn, _dim_map)
+
+
+def _dim_map(eqn: jx.JaxprEqn) -> DimMap | None:
     rule = AXIS_RULES.get(eqn.primitive.name)
-    dm = None if rule is None or eqn.effects else rule(eqn)
-    if kept is not None:
-        kept[id(eqn)] = (eqn, dm)   # the equation is kept with its map, so its id is not reused meanwhile
-    return dm
+    return None if rule is None or eqn.effects else rule(eqn)
 
 
-_kept = threading.local()
-
-
-@contextlib.contextmanager
-def maps_kept():
-    """Within: :func:`dim_map` answers each equation once (the split planner asks about the same
-    equations in every round); the equations are let go on leaving."""
-    outer = getattr(_kept, "maps", None)
-    _kept.maps = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _kept.maps = outer
+#: Each equation's map, kept while the split pass runs (``MAPS.active()``, see :mod:`.kept`).
+MAPS = Kept()
 
 
 # -- shape parameters of a slice -------------------------------------------------------------

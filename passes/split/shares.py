@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import threading
 import weakref
 from typing import Callable
 
@@ -22,7 +21,8 @@ from hlopass import internals as jx
 from hlopass.jaxpr_utils import aval_nbytes, call_body
 from hlopass.sharding import input_shards, sharding_pieces, type_shards
 
-from .rules import dim_map, maps_kept
+from .kept import Kept
+from .rules import MAPS, dim_map
 
 #: The input types of the program the split pass was given (set by :func:`top_program`): only a
 #: jaxpr whose inputs have these types takes the jax.jit arguments' shardings.
@@ -179,31 +179,23 @@ def _backward(eqn, i: int, known: dict, fixed: set, maps: dict) -> bool:
 
 
 def _whole(atom) -> int:
-    kept = getattr(_kept, "sizes", None)
-    if kept is not None:
-        cached = kept.get(id(atom))
-        if cached is not None and cached[0] is atom:
-            return cached[1]
-    size = aval_nbytes(atom.aval) if hasattr(atom, "aval") else 0
-    if kept is not None:
-        kept[id(atom)] = (atom, size)   # kept with its size, so its id is not reused meanwhile
-    return size
+    return SIZES.get(atom, _bytes_of)
 
 
-_kept = threading.local()
+def _bytes_of(atom) -> int:
+    return aval_nbytes(atom.aval) if hasattr(atom, "aval") else 0
+
+
+#: Each value's bytes, kept while the split pass runs (see :func:`analyses_kept`).
+SIZES = Kept()
 
 
 @contextlib.contextmanager
 def analyses_kept():
-    """Within: each value's bytes and each equation's dimension map (:func:`.rules.maps_kept`) are
-    computed once; the planner asks about the same values in every round. Let go on leaving."""
-    outer = getattr(_kept, "sizes", None)
-    _kept.sizes = {} if outer is None else outer
-    try:
-        with maps_kept():
-            yield
-    finally:
-        _kept.sizes = outer
+    """Within: each value's bytes and each equation's dimension map are computed once (the planner asks
+    about the same values in every round); let go on leaving."""
+    with SIZES.active(), MAPS.active():
+        yield
 
 
 #: Primitives whose operand XLA's SPMD partitioner gathers onto every device whatever its sharding
