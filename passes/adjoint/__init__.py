@@ -117,8 +117,8 @@ class AdjointOptions:
 def _transposed_scan(eqn) -> bool:
     if eqn.primitive.name != "scan" or not eqn.params.get("reverse"):
         return False
-    start = eqn.params["num_consts"]
-    carry = eqn.invars[start:start + eqn.params["num_carry"]]
+    start = jx.scan_num_consts(eqn.params)
+    carry = eqn.invars[start:start + jx.scan_num_carry(eqn.params)]
     dtypes = (getattr(v.aval, "dtype", None) for v in carry)
     return any(d is not None and jnp.issubdtype(d, np.inexact) for d in dtypes)
 
