@@ -2,7 +2,7 @@
 
     python -m tools.bench_adjoint [--contexts 32768 131072 524288] [--layers 4] [--width 256] [--state 16]
                                   [--repeat 2] [--cap 4GB] [--capped-from 524288] [--timeout 3600]
-                                  [--tiny] [--json tools/results/adjoint.json]
+                                  [--tiny] [--python-loop] [--json tools/results/adjoint.json]
 
 The gradient of a stack of diagonal selective-SSM layers (Mamba-like: per channel and state entry a
 decay ``a_t = exp(-softplus(x_t W_dt) A)``, input ``b_t = x_t W_b``, readout ``c_t = x_t W_c``, a
@@ -24,6 +24,11 @@ first call on the CPU is not slower), below it ``--repeat`` calls after a warm-u
 (``ulimit -v``, ``--cap``, default 4 GB) and the other columns are only compiled. Gradients are compared
 on evenly spaced samples of every leaf against plain's, or the checkpointed column's where plain does
 not run (``max_rel_diff_vs_*``, each leaf against its own largest sample).
+
+``--python-loop`` writes each layer's recurrence as a Python loop over the time steps (``ys.append``,
+then ``jnp.stack``; hand checkpointing: ``jax.checkpoint`` on each block of steps): a chain of T steps
+per layer, no scan, as a user who never learnt ``lax.scan`` writes it. Its results go to
+``tools/results/adjoint_loop.json``; tracing T steps per layer limits it to contexts of thousands.
 """
 
 from __future__ import annotations
@@ -63,12 +68,31 @@ def layer_step(p, h, x):
     return h, h @ (x @ p["w_c"])                              # (D,)
 
 
-def ssm_layer(p, xs, block: int | None = None):
+def python_loop(step, h, xs):
+    """``lax.scan(step, h, xs)`` written as a Python loop (it traces to a chain of T steps)."""
+    import jax.numpy as jnp
+    ys = []
+    for t in range(xs.shape[0]):
+        h, y = step(h, xs[t])
+        ys.append(y)
+    return h, jnp.stack(ys)
+
+
+def ssm_layer(p, xs, block: int | None = None, loop: bool = False):
     import jax
     import jax.numpy as jnp
     from jax import lax
     h0 = jnp.zeros(p["a"].shape, xs.dtype)
     step = lambda h, x: layer_step(p, h, x)  # noqa: E731
+    if loop:            # checkpointing by hand: each block of steps under jax.checkpoint
+        if block is None:
+            return python_loop(step, h0, xs)[1]
+        inner = jax.checkpoint(lambda h, xb: python_loop(step, h, xb))
+        h, ys = h0, []
+        for i in range(0, xs.shape[0], block):
+            h, y = inner(h, xs[i:i + block])
+            ys.append(y)
+        return jnp.concatenate(ys)
     if block is None:
         return lax.scan(step, h0, xs)[1]
     T = xs.shape[0]
@@ -76,14 +100,14 @@ def ssm_layer(p, xs, block: int | None = None):
     return lax.scan(inner, h0, xs.reshape(T // block, block, -1))[1].reshape(T, -1)
 
 
-def make_loss(block=None):
+def make_loss(block=None, loop=False):
     import jax
     import jax.numpy as jnp
 
     def loss(params, emb, tokens):
         x = emb[tokens[:-1]]
         for p in params:
-            x = x + jnp.tanh(ssm_layer(p, x, block))
+            x = x + jnp.tanh(ssm_layer(p, x, block, loop))
         logits = x @ emb.T
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[1:, None], 1))
     return loss
@@ -100,16 +124,16 @@ def column_name(column: str, T: int) -> str:
     return f"ckpt sqrt(T) ({_block(T)} steps)" if column == "ckpt" else column
 
 
-def build(column: str, T: int, limit: int | None):
-    """The jitted gradient of ``column`` at context ``T``."""
+def build(column: str, T: int, limit: int | None, loop: bool = False):
+    """The jitted gradient of ``column`` at context ``T`` (``loop``: layers written as Python loops)."""
     import jax
 
     import hlopass
-    grad = jax.grad(make_loss(), argnums=(0, 1))
+    grad = jax.grad(make_loss(loop=loop), argnums=(0, 1))
     if column == "plain":
         return jax.jit(grad)
     if column == "ckpt":
-        return jax.jit(jax.grad(make_loss(_block(T)), argnums=(0, 1)))
+        return jax.jit(jax.grad(make_loss(_block(T), loop), argnums=(0, 1)))
     if column == "remat":
         return hlopass.jit(grad, passes="remat", memory_limit=limit)
     if column == "adjoint":
@@ -118,7 +142,7 @@ def build(column: str, T: int, limit: int | None):
 
 
 def child(column: str, T: int, layers: int, width: int, state: int, repeat: int, run: bool, warmup: bool,
-          limit: int | None) -> dict:
+          limit: int | None, loop: bool = False) -> dict:
     """One column at one context (in a child process): temp, compile and call seconds, sampled gradients."""
     import jax
 
@@ -129,7 +153,7 @@ def child(column: str, T: int, layers: int, width: int, state: int, repeat: int,
     tokens = jax.random.randint(jax.random.key(1), (T + 1,), 0, VOCAB)
     args = (params, emb, tokens)
     row: dict = dict(column=column_name(column, T), context=T, status="ok")
-    fn = build(column, T, limit)
+    fn = build(column, T, limit, loop)
     try:
         _, compiled, compile_s = harness.compile_timed(fn, args)
     except Exception as err:  # noqa: BLE001 - a column that cannot compile is a row that says so
@@ -177,6 +201,7 @@ def run(T: int, a, cap: int | None) -> list[dict]:
                  "--state", str(a.state), "--repeat", str(1 if long else a.repeat)]
         flags += ([] if runs else ["--compile-only"]) + ([] if not long else ["--no-warmup"])
         flags += ["--limit", str(limit)] if column == "remat" and limit else []
+        flags += ["--python-loop"] if a.python_loop else []
         started = time.perf_counter()
         result = harness.run_capped(harness.module_argv("bench_adjoint", *flags),
                                     cap if capped and runs else None, timeout=a.timeout)
@@ -211,7 +236,10 @@ def main(argv=None):
     ap.add_argument("--cap", default="4GB")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run (contexts 256 and 512, width 16)")
-    ap.add_argument("--json", default=os.path.join(harness.RESULTS, "adjoint.json"))
+    ap.add_argument("--python-loop", action="store_true",
+                    help="each layer's recurrence written as a Python loop (a chain of T steps, no scan); "
+                         "results to adjoint_loop.json unless --json is given")
+    ap.add_argument("--json")
     ap.add_argument("--child", choices=COLUMNS, help=argparse.SUPPRESS)
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
@@ -219,7 +247,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.child:
         harness.report_result(child(a.child, a.contexts[0], a.layers, a.width, a.state, a.repeat,
-                                    not a.compile_only, not a.no_warmup, a.limit))
+                                    not a.compile_only, not a.no_warmup, a.limit, a.python_loop))
         return
     if a.tiny:
         a.contexts, a.layers, a.width, a.state, a.repeat = [256, 512], 2, 16, 4, 1
@@ -228,7 +256,9 @@ def main(argv=None):
     for T in a.contexts:
         rows += run(T, a, parse_size(a.cap, "--cap"))
     import jax
-    harness.write_json(a.json, dict(layers=a.layers, width=a.width, state=a.state, device=jax.devices()[0].device_kind,
+    default = "adjoint_loop.json" if a.python_loop else "adjoint.json"
+    harness.write_json(a.json or os.path.join(harness.RESULTS, default), dict(
+        python_loop=a.python_loop, layers=a.layers, width=a.width, state=a.state, device=jax.devices()[0].device_kind,
                                     cores=os.cpu_count(), load_average=list(os.getloadavg()), rows=rows), indent=1)
 
 

@@ -5,7 +5,9 @@ inside a hlopass function, or ``jax.grad`` of one), a ``lax.scan`` whose carry
 is updated linearly in itself: ``h' = a * h + b`` (diagonal, ``a`` real or
 complex, as in S4D/S5/Mamba), or ``h' = A h + b`` (dense, ``A`` shared or per
 step), where ``a``, ``b``, ``A`` and the readout may depend on the step's
-inputs (selective models) and on parameters. Linearity is checked on the
+inputs (selective models) and on parameters; the same written as a Python
+loop (a chain of at least 8 unrolled steps, rolled back into a scan first:
+:mod:`.chains`). Linearity is checked on the
 scan body's jaxpr: the carry's tangent map (a JVP of the body) must not read
 the carry (:mod:`.recurrence`); a carry that is an elementwise multiple of
 itself is diagonal, anything else linear is dense. Also ``lax.associative_scan``
@@ -50,8 +52,8 @@ bodies (JAX differentiates those by their rules) and programs never
 differentiated in reverse mode: each such scan is named in the report with
 the reason. Equations that mix rows of the time axis (a shift, a cumulative
 sum over time, a transpose of it) end a time region. Other
-``lax.associative_scan`` combines are called as written; Python loops
-unrolled into chains of steps are not matched (no scan to find). Options on
+``lax.associative_scan`` combines are called as written; a Python loop
+whose rolled scan is not a linear recurrence is left unrolled, and named. Options on
 a program whose gradient holds no scan are a report line; bad option values
 a ``hlopass.ConfigError``.
 """
@@ -74,7 +76,7 @@ from hlopass.jaxpr_utils import iter_eqns
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 
-from .rewrite import NAME, rewrite_scans, truncation_errors
+from .rewrite import NAME, linear_chains_only, rewrite_scans, truncation_errors
 from .associative import intercept as intercept_associative
 from .trace import intercept_gradients
 
@@ -162,9 +164,12 @@ class AdjointPass(Pass):
     def wants_retrace(self, closed: jx.ClosedJaxpr, config: Config) -> bool:
         """Whether ``closed`` (traced with default options) holds a transposed scan: a ``lax.scan``
         whose carry JAX differentiated in reverse mode runs backwards (``reverse=True``) with an
-        inexact carry. Any other program has no recurrence this pass would replace."""
-        return self.options == AdjointOptions() and any(
-            _transposed_scan(e) for e in iter_eqns(closed.jaxpr))
+        inexact carry; or a Python loop's chain of steps linear in its carry (:mod:`.chains`) with
+        no chain of the same length that is not (the backward pass of any loop is linear in the
+        cotangent it carries; a loop that is linear itself has a linear forward chain too). Any
+        other program has no recurrence this pass would replace."""
+        return self.options == AdjointOptions() and (
+            any(_transposed_scan(e) for e in iter_eqns(closed.jaxpr)) or linear_chains_only(closed))
 
     @contextlib.contextmanager
     def retrace_context(self, config: Config, notes: list[Note]):

@@ -15,6 +15,7 @@ from hlopass.jaxpr_utils import iter_eqns, subjaxprs
 from hlopass.report import Note, source_line
 from hlopass.sizes import format_size
 
+from .chains import find_chains, roll, rolled_scan
 from .emit import adjoint_scan
 from .sharded import context_mesh, mesh_axis_size, sharded_adjoint_scan
 from .recurrence import Recurrence, body_function, classify
@@ -118,11 +119,59 @@ def _describe_region(jaxpr, region: Region, k: int) -> list[tuple[int, str, tupl
     return out
 
 
+def _has_chain(closed: jx.ClosedJaxpr) -> bool:
+    """Whether any level of ``closed`` holds a Python loop's chain of steps (:mod:`.chains`)."""
+    if find_chains(closed.jaxpr):
+        return True
+    return any(find_chains(sub) for e in iter_eqns(closed.jaxpr) for sub in subjaxprs(e))
+
+
+def _chain_forms(c: jx.ClosedJaxpr | jx.Jaxpr):
+    """(chain, Recurrence of its rolled scan) for each Python loop's chain in ``c``'s own equations."""
+    jaxpr = getattr(c, "jaxpr", c)
+    for chain in find_chains(jaxpr):
+        try:
+            rec = classify(rolled_scan(jaxpr, chain))
+        except Exception as err:  # noqa: BLE001 - a chain that cannot be rolled stays as written
+            rec = Recurrence(None, f"it could not be rolled into a scan ({type(err).__name__}: {err})")
+        yield chain, rec
+
+
+def linear_chains_only(closed: jx.ClosedJaxpr) -> bool:
+    """Whether some level of ``closed`` holds a chain of steps linear in its carry and no chain of
+    the same length that is not (a differentiated Python loop that is itself linear)."""
+    for jaxpr in [closed.jaxpr, *(sub for e in iter_eqns(closed.jaxpr) for sub in subjaxprs(e))]:
+        linear, other = set(), set()
+        for chain, rec in _chain_forms(jaxpr):
+            (linear if rec.form is not None else other).add(chain.steps)
+        if linear - other:
+            return True
+    return False
+
+
+def roll_chains(c: jx.ClosedJaxpr, add) -> jx.ClosedJaxpr:
+    """``c`` with each Python loop's chain of steps whose rolled scan is a linear recurrence rolled
+    into that scan (:mod:`.chains`); the other chains left as written, each named in a note."""
+    reps = []
+    for chain, rec in _chain_forms(c):
+        site = source_line(chain.eqn(c.jaxpr, 0, chain.body[0]))
+        what = f"Python loop unrolled into {chain.steps} steps of {chain.period} equations"
+        if rec.form is None:
+            add(Note(NAME, "skip", site, f"{what}: {rec.reason}; left as written", "loop"))
+            continue
+        reps.append(roll(c.jaxpr, chain))
+        add(Note(NAME, "roll_loop", site,
+                 f"{what} ({len(chain.body)} of them on the carried state): rolled into a lax.scan for the "
+                 f"adjoint method", "loop", (("steps", chain.steps), ("period", chain.period))))
+    return rewrite(c, reps) if reps else c
+
+
 def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Note],
                   check: bool = False) -> jx.ClosedJaxpr:
     """Replace every linear-recurrence scan of ``closed`` (at any depth outside custom-derivative
-    bodies) by an adjoint scan; ``closed`` itself when there is none. Findings go to ``notes``."""
-    if not any(e.primitive.name == "scan" for e in iter_eqns(closed.jaxpr)):
+    bodies), and every Python loop's chain of steps that rolls into one, by an adjoint scan;
+    ``closed`` itself when there is none. Findings go to ``notes``."""
+    if not any(e.primitive.name == "scan" for e in iter_eqns(closed.jaxpr)) and not _has_chain(closed):
         return closed
     original = closed
     closed = inline_calls(closed, CALLS)     # scans in jitted layers join the time regions around them
@@ -135,6 +184,7 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
     def level(c: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
         if id(c.jaxpr) in skipped:
             return c
+        c = roll_chains(c, add)
         reps = []
         found: dict[int, Recurrence] = {}
         for i, eqn in enumerate(c.jaxpr.eqns):

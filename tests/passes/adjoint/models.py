@@ -1,8 +1,35 @@
-"""Linear recurrences written as ``lax.scan``, as state space models write them (small sizes)."""
+"""Linear recurrences written as ``lax.scan``, as state space models write them (small sizes),
+and the same written as Python loops (:func:`as_python_loop`)."""
+
+import threading
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+_loop = threading.local()
+
+
+def _scan(body, h0, xs):
+    """``lax.scan``, or, inside :func:`as_python_loop`, a Python loop over the rows of ``xs``."""
+    if not getattr(_loop, "on", False):
+        return lax.scan(body, h0, xs)
+    h, ys = h0, []
+    for t in range(xs.shape[0]):
+        h, y = body(h, xs[t])
+        ys.append(y)
+    return h, jnp.stack(ys)
+
+
+def as_python_loop(layer):
+    """``layer`` with its scan written as a Python loop (``ys.append(y)``, then ``jnp.stack``)."""
+    def unrolled(*args):
+        _loop.on = True
+        try:
+            return layer(*args)
+        finally:
+            _loop.on = False
+    return unrolled
 
 
 def diagonal(params, h0, xs):
@@ -15,7 +42,7 @@ def diagonal(params, h0, xs):
         c = x @ w_c                                   # (..., N)
         h = a[..., :, None] * h + b[..., :, None] * x[..., None, :]
         return h, jnp.einsum("...n,...np->...p", c, h)
-    return lax.scan(body, h0, xs)
+    return _scan(body, h0, xs)
 
 
 def dense_per_step(params, h0, xs):
@@ -26,7 +53,7 @@ def dense_per_step(params, h0, xs):
         a = 0.3 * jnp.tanh(jnp.einsum("p,pij->ij", x, w_a))
         h = a @ h + b @ x
         return h, jnp.sin(h)
-    return lax.scan(body, h0, xs)
+    return _scan(body, h0, xs)
 
 
 def dense_shared(params, h0, xs):
@@ -36,7 +63,7 @@ def dense_shared(params, h0, xs):
     def body(h, x):
         h = h @ a.T + x @ b.T
         return h, h * x[..., :1]
-    return lax.scan(body, h0, xs)
+    return _scan(body, h0, xs)
 
 
 def complex_diagonal(params, h0, xs):
@@ -47,7 +74,7 @@ def complex_diagonal(params, h0, xs):
         lam = jnp.exp(-jnp.exp(log_re) + 1j * im)
         h = lam * h + (x @ b).astype(h.dtype)
         return h, jnp.real(h * c)
-    return lax.scan(body, h0, xs)
+    return _scan(body, h0, xs)
 
 
 def nonlinear(params, h0, xs):
@@ -57,7 +84,7 @@ def nonlinear(params, h0, xs):
     def body(h, x):
         h = jnp.tanh(h @ w + x)
         return h, h
-    return lax.scan(body, h0, xs)
+    return _scan(body, h0, xs)
 
 
 def gated(params, h0, xs):
@@ -67,7 +94,7 @@ def gated(params, h0, xs):
     def body(h, x):
         h = jnp.where(h > 0, 0.9 * h, 0.5 * h) + x @ w
         return h, h
-    return lax.scan(body, h0, xs)
+    return _scan(body, h0, xs)
 
 
 def loss_of(layer):

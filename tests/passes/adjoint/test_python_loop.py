@@ -1,0 +1,140 @@
+"""Linear recurrences written as Python loops: rolled into a scan, gradients equal jax.grad's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlopass
+from hlopass import internals as jx
+from hlopass.interpreter import rewrite
+from hlopass.passes.adjoint import AdjointPass
+from hlopass.passes.adjoint.chains import MIN_STEPS, find_chains, roll
+
+from . import models
+from .test_adjoint import ARGNUMS, _compare, _kinds, _x64, problem
+
+
+def _loop_loss(name, T, dtype, batch=()):
+    layer, params, h0, xs = problem(name, T, dtype, batch)
+    return models.loss_of(models.as_python_loop(layer)), params, h0, xs
+
+
+def _rolled(report):
+    return [r for p in report.passes if p.name == "adjoint" for r in p.rewrites if r.kind == "roll_loop"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name,T", [("diagonal", 29), ("dense_per_step", 11), ("dense_shared", 13),
+                                    ("complex", 17)])
+def test_python_loop_gradient_equals_jax_grad(name, T, dtype):
+    with _x64(dtype):
+        loss, params, h0, xs = _loop_loss(name, T, dtype)
+        want = jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs)
+        inside = hlopass.jit(jax.grad(loss, ARGNUMS))             # default pipeline, jax.grad inside
+        _compare(inside(params, h0, xs), want, dtype)
+        report = inside.trace(params, h0, xs).report
+        expected = {"diagonal": "diagonal", "complex": "complex"}.get(name, "dense")
+        assert [r.details["steps"] for r in _rolled(report)] == [T]
+        assert _kinds(report) == [None, expected]          # the roll, then the adjoint scan
+        assert "models.py" in _rolled(report)[0].location
+        if dtype == "float32":
+            outside = jax.jit(jax.grad(hlopass.jit(loss, passes="adjoint"), ARGNUMS))   # jax.grad of it
+            _compare(outside(params, h0, xs), want, dtype)
+
+
+def test_python_loop_with_batch_dimensions_and_options():
+    loss, params, h0, xs = _loop_loss("diagonal", 23, "float32", batch=(3,))
+    want = jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs)
+    f = hlopass.jit(jax.grad(loss, ARGNUMS), passes=[AdjointPass(chunk=5)])
+    _compare(f(params, h0, xs), want, "float32")
+    (scan,) = [r for p in f.trace(params, h0, xs).report.passes for r in p.rewrites if r.kind == "adjoint_scan"]
+    assert scan.details["length"] == 23 and scan.details["chunk"] == 5
+
+
+def test_python_loop_nan_and_inf_as_jit():
+    loss, params, h0, xs = _loop_loss("diagonal", 13, "float32")
+    xs = xs.at[3, 1].set(jnp.nan).at[9, 0].set(jnp.inf)
+    want = jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs)
+    got = hlopass.jit(jax.grad(loss, ARGNUMS))(params, h0, xs)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_array_equal(np.isinf(g), np.isinf(w))
+
+
+def test_python_loop_saves_memory():
+    """A selective layer of 61 steps, state 16 x 64: the adjoint keeps states at chunk boundaries."""
+    loss, _, _, _ = _loop_loss("diagonal", 61, "float32")
+    k = jax.random.split(jax.random.key(1), 4)
+    params = tuple(0.1 * jax.random.normal(k[i], (64, 16)) for i in range(3))
+    h0, xs = jnp.zeros((16, 64)), jax.random.normal(k[3], (61, 64))
+    plain = jax.jit(jax.grad(loss, ARGNUMS)).lower(params, h0, xs).compile().memory_analysis()
+    f = hlopass.jit(jax.grad(loss, ARGNUMS))
+    ours = f.trace(params, h0, xs).lower().compile().memory_analysis()
+    assert ours.temp_size_in_bytes < 0.5 * plain.temp_size_in_bytes
+    got, want = f(params, h0, xs), jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):   # float32 sums of 61 steps
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5 * float(np.abs(w).max()))
+
+
+@pytest.mark.parametrize("name,reason", [("nonlinear", "non-linear in the state (through tanh)"),
+                                         ("gated", "feeds a comparison")])
+def test_nonlinear_python_loop_left_alone_and_named(name, reason):
+    loss, params, h0, xs = _loop_loss(name, 17, "float32")
+    want = jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs)
+    f = hlopass.jit(jax.grad(loss, ARGNUMS), passes=[AdjointPass(chunk=4)])   # options: always probed
+    _compare(f(params, h0, xs), want, "float32")
+    report = f.trace(params, h0, xs).report
+    assert _kinds(report) == []
+    (skip,) = [s for s in report.skipped if s.primitive == "loop"]
+    assert reason in skip.reason and "Python loop unrolled into 17 steps" in skip.reason
+    assert "models.py" in skip.location
+
+
+def test_nonlinear_python_loop_is_traced_once_by_default(monkeypatch):
+    """The backward pass of any loop is linear in its cotangent: that alone asks for no second trace."""
+    loss, params, h0, xs = _loop_loss("nonlinear", 17, "float32")
+    calls = []
+    counted = lambda *a: calls.append(1) or loss(*a)      # noqa: E731
+    f = hlopass.jit(jax.grad(counted, ARGNUMS))
+    _compare(f(params, h0, xs), jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs), "float32")
+    assert len(calls) == 1
+
+
+def _chain_program(T):
+    def f(a, b, h):
+        for t in range(T):
+            h = a * h + b[t]
+        return h
+    return f
+
+
+def test_short_loops_are_not_chains_and_lagged_ones_roll_two_steps_at_a_time():
+    short = jax.make_jaxpr(_chain_program(MIN_STEPS - 1))(jnp.ones(3), jnp.ones((MIN_STEPS - 1, 3)), jnp.ones(3))
+    assert find_chains(short.jaxpr) == []
+
+    def lagged(a, h):                   # h_t reads h_{t-2}: one step of the scan is two of the loop
+        hs = [h, 2.0 * h]
+        for _ in range(22):
+            hs.append(a * hs[-2] + 1.0)
+        return hs[-1]
+    args = (jnp.linspace(0.5, 0.9, 3), jnp.ones(3))
+    closed = jax.make_jaxpr(lagged)(*args)
+    (chain,) = find_chains(closed.jaxpr)
+    assert chain.period == 2 and len(chain.carry) == 2
+    new = rewrite(closed, [roll(closed.jaxpr, chain)])
+    np.testing.assert_allclose(jax.jit(jx.jaxpr_as_fun(new))(*args)[0], jax.jit(lagged)(*args), rtol=1e-6)
+
+
+@pytest.mark.parametrize("T", [MIN_STEPS, 19])
+def test_rolled_chain_equals_the_loop_as_written(T):
+    """The roll alone (no adjoint): the same values, the loop's hoisted rows read from the array."""
+    with jax.enable_x64(True):
+        f = _chain_program(T)
+        args = (jnp.linspace(0.5, 0.9, 3), jnp.arange(T * 3.0).reshape(T, 3), jnp.ones(3))
+        closed = jax.make_jaxpr(f)(*args)
+        (chain,) = find_chains(closed.jaxpr)
+        assert chain.steps == T and chain.xs == [(closed.jaxpr.invars[1], 0)]
+        new = rewrite(closed, [roll(closed.jaxpr, chain)])
+        assert [e.primitive.name for e in new.jaxpr.eqns].count("scan") == 1
+        np.testing.assert_allclose(jax.jit(jx.jaxpr_as_fun(new))(*args)[0], jax.jit(f)(*args), rtol=1e-14)
