@@ -626,3 +626,29 @@ def test_hvp_hoists_an_integer_index_batched_by_an_outer_vmap():
     want_value, want_grad = want(x, idx)
     np.testing.assert_allclose(got_value, want_value, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_split_leaves_a_bfloat16_short_reduction_whole():
+    """Soak seed s311035862363, program 7 (bfloat16 ``softmax(softplus(3 * sum((x[:, None] - y[None])
+    ** 2, -1)) @ w)``, ``x`` a cumulative sum): inside each split step the sum over 3 coordinates was
+    unrolled into 3 rounded terms, where XLA:CPU evaluates the fused ``jnp.sum`` region in float32 and
+    rounds once; a logit came out 1.5 ulp off (70144 where the float32 run gives 70906 and jax.jit
+    70656) and the softmax flipped (0.5 against 1). Writing the three terms out by hand in plain JAX
+    gives the same 70144; regions holding 16-bit floats are no longer unrolled. Each step now gives,
+    bit for bit, what ``jax.jit`` gives on the same rows by hand (XLA's bfloat16 rounding depends on
+    the shape: the 7-row last step is further from the float32 run than the whole, by hand too)."""
+    rng = np.random.default_rng(5)
+    x = jnp.cumsum(jnp.asarray(rng.normal(size=(439, 3)), jnp.bfloat16), axis=0, dtype=jnp.bfloat16)
+    y = jnp.asarray(rng.normal(size=(219, 3)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=219), jnp.bfloat16)
+
+    def logits(x, y, w):
+        return jax.nn.softplus(3 * jnp.sum((x[:, None, :] - y[None]) ** 2, -1)) @ w
+
+    ours = hlopass.jit(logits, threshold=64000, split_size=64000)
+    rewrites = ours.trace(x, y, w).report.rewrites
+    assert "unrolled" not in [r.kind for r in rewrites]
+    (split,) = [r for r in rewrites if r.kind == "split"]
+    rows = split.details["chunk"]
+    by_hand = jnp.concatenate([jax.jit(logits)(x[i:i + rows], y, w) for i in range(0, 439, rows)])
+    np.testing.assert_array_equal(np.asarray(ours(x, y, w)), np.asarray(by_hand))
