@@ -652,3 +652,40 @@ def test_split_leaves_a_bfloat16_short_reduction_whole():
     rows = split.details["chunk"]
     by_hand = jnp.concatenate([jax.jit(logits)(x[i:i + rows], y, w) for i in range(0, 439, rows)])
     np.testing.assert_array_equal(np.asarray(ours(x, y, w)), np.asarray(by_hand))
+
+
+def test_split_float32_running_sum_rounds_as_the_same_chunks_by_hand():
+    """Soak seed s1069745172457, program 3 (float32 ``(x[:, None] - v[0::3][None]) @ w``, ``d = 1``,
+    gradient under ``jax.grad`` of the hlopass function): the transposed program sums 128,334 terms of
+    magnitudes adding to about 9e4 into ``dw`` = -0.0518; the split adds 34 chunks of 13 rows into a
+    running float32 total, 8.9e-5 from the float64 run where ``jax.jit``'s single reduction is 7.8e-6
+    from it. A documented deviation: the same chunks summed by hand in plain JAX (a ``fori_loop`` over
+    13-row slices) give the same value bit for bit."""
+    from . import runner
+    batch = runner.draw_batch("s1069745172457", size=8, only=3)
+    (program,) = batch.programs
+    args = program.make_inputs(())
+    settings = dict(threshold=batch.threshold, split_size=batch.split_size)
+    ours = jax.jit(runner._value_and_grad(hlopass.jit(program.fn, **settings), [0, 1, 2]))
+    dw = float(ours(*args)[1][2][0])
+    with jax.enable_x64(True):
+        exact = float(jax.jit(runner._value_and_grad(program.fn, [0, 1, 2]))(
+            *[a.astype(np.float64) for a in args])[1][2][0])
+
+    x, v, _ = args
+    d = x[:, None, 0] - v[None, 0::3, 0]                                   # (438, 293)
+    ct = jnp.cos(jnp.arange(d.size, dtype=jnp.float32)).reshape(d.shape)   # the fuzzer's linear loss
+    (rows,) = {r.details["chunk"] for report in hlopass.reports(ours, *args) for p in report.passes
+               for r in p.rewrites if r.kind == "split"}
+
+    def by_hand(d, ct):
+        full = d.shape[0] // rows
+
+        def body(k, total):
+            return total + jnp.tensordot(lax.dynamic_slice_in_dim(ct, k * rows, rows),
+                                         lax.dynamic_slice_in_dim(d, k * rows, rows), 2)
+        total = lax.fori_loop(0, full, body, jnp.zeros((), jnp.float32))
+        return total + jnp.tensordot(ct[full * rows:], d[full * rows:], 2)
+
+    assert dw == float(jax.jit(by_hand)(d, ct))
+    assert abs(dw - exact) > 5e-5 > abs(float(jax.jit(lambda d, ct: jnp.tensordot(ct, d, 2))(d, ct)) - exact)
