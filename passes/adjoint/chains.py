@@ -22,11 +22,14 @@ a step index baked into a body equation) or effects end the match.
 ``lax.scan`` of the body over the stacked inputs, and slices of its outputs
 where later code reads one step's values. The adjoint pass rolls a chain
 only when the scan it makes is a linear recurrence (:func:`.recurrence.classify`),
-and leaves every other chain as written, named with the reason.
+and leaves every other chain as written, named with the reason. A running total
+(``loss = loss + f(h)``) is not part of that scan's carry: the scan returns each
+step's increment, and the total is their sum after it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import defaultdict
 from typing import Any
@@ -61,6 +64,7 @@ class Chain:
     consts: list[Any]            # atoms every step reads alike
     xs: list                     # per input slot: its atoms, one per step, or (v, start): rows of v
     ys: list[tuple[int, int]]    # body values read after the loop at some step
+    totals: dict[int, tuple]     # carry index -> what its step adds (a running total, see _totals)
     inputs: list[Any]            # outer variables read by the chain
     outputs: list[Any]           # variables read after the chain
     sources: list[tuple]         # where each output comes from
@@ -272,7 +276,33 @@ def _verify(jaxpr: jx.Jaxpr, o: int, p: int, steps: int, last: dict) -> Chain | 
                 inputs.setdefault(a, None)
     xs = [_rows_of(eqns, o, p, atoms, produced) or atoms for atoms in xs]
     return Chain(o, p, steps, body, hoisted, carry, wiring, [init[c] for c in carry], consts, xs, ys,
-                 list(inputs), outputs, sources)
+                 _totals(eqns, o, p, carry, wiring), list(inputs), outputs, sources)
+
+
+def _totals(eqns, o: int, p: int, carry: list, wiring: dict) -> dict[int, tuple]:
+    """The running totals among the carries (``loss = loss + f(h)``): a carry whose step only adds
+    something to it, read nowhere else in the step, its new value read by no other equation of the
+    step. They leave the scan's carry (a total of ``f(h)`` is not linear in ``h``): the scan returns
+    each step's increment, summed after it."""
+    totals = {}
+    reads = collections.Counter(d for slots in wiring.values() for d in slots)
+    for ci, (j, k) in enumerate(carry):
+        slots = wiring.get(j, [])
+        if eqns[o + p + j].primitive.name not in ("add", "add_any") or k != 0 or len(slots) != 2:
+            continue
+        if reads[("carry", ci)] != 1 or slots.count(("carry", ci)) != 1 or reads[("local", j, 0)]:
+            continue
+        increment = slots[1 - slots.index(("carry", ci))]
+        out = eqns[o + p + j].outvars[0].aval
+        if increment[0] == "carry" or _aval_of(eqns, o, p, j, slots.index(increment)) != (out.shape, out.dtype):
+            continue
+        totals[ci] = increment
+    return totals
+
+
+def _aval_of(eqns, o: int, p: int, j: int, slot: int) -> tuple:
+    aval = eqns[o + p + j].invars[slot].aval
+    return aval.shape, aval.dtype
 
 
 def _rows_of(eqns, o: int, p: int, atoms: list, produced: dict):
@@ -318,25 +348,41 @@ def roll(jaxpr: jx.Jaxpr, chain: Chain) -> Replacement:
               else lax.expand_dims(lax.slice_in_dim(read(atoms[0]), atoms[1], atoms[1] + chain.steps), (1,))
               for atoms in chain.xs]
 
+        state = [ci for ci in range(len(chain.carry)) if ci not in chain.totals]
+        totals = list(chain.totals)
+        at = {(j, k): ci for ci, (j, k) in enumerate(chain.carry)}
+        skipped = {chain.carry[ci][0] for ci in totals}
+        own = [y for y in chain.ys if at.get(y) not in chain.totals]
+
         def step(carry, x):
             local: dict = {}
+            carried = dict(zip(state, carry))
 
             def value(d):
                 kind = d[0]
-                return (local[d[1:]] if kind == "local" else carry[d[1]] if kind == "carry"
+                return (local[d[1:]] if kind == "local" else carried[d[1]] if kind == "carry"
                         else consts[d[1]] if kind == "const" else x[d[1]])
             for j in chain.body:
-                outs = bind_equation(ref[j], [value(d) for d in chain.wiring[j]])
-                local.update(((j, k), o) for k, o in enumerate(outs))
-            return [local[c] for c in chain.carry], [local[y] for y in chain.ys]
+                if j not in skipped:
+                    outs = bind_equation(ref[j], [value(d) for d in chain.wiring[j]])
+                    local.update(((j, k), o) for k, o in enumerate(outs))
+            return ([local[chain.carry[ci]] for ci in state],
+                    [local[y] for y in own] + [value(chain.totals[ci]) for ci in totals])
 
-        final, ys = lax.scan(step, [read(a) for a in chain.init], xs, length=chain.steps)
+        init = [read(a) for a in chain.init]
+        final, ys = lax.scan(step, [init[ci] for ci in state], xs, length=chain.steps)
+        ends = dict(zip(state, final))
+        stacked = dict(zip(own, ys[:len(own)]))
+        for ci, increments in zip(totals, ys[len(own):]):   # a total's values: a cumulative sum
+            ends[ci] = init[ci] + jnp.sum(increments, 0)
+            if chain.carry[ci] in chain.ys:
+                stacked[chain.carry[ci]] = init[ci] + jnp.cumsum(increments, 0)
         # one split per output, not a slice per step: the transpose of T slices is T zero-padded
         # copies of the whole output, that of a split one concatenation
-        rows = [[jnp.squeeze(r, 0) for r in lax.split(y, [1] * chain.steps, 0)] for y in ys]
+        rows = [[jnp.squeeze(r, 0) for r in lax.split(stacked[y], [1] * chain.steps, 0)] for y in chain.ys]
         out = []
         for src in chain.sources:
-            out.append(env[src[1]] if src[0] == "hoisted" else final[src[1]] if src[0] == "final"
+            out.append(env[src[1]] if src[0] == "hoisted" else ends[src[1]] if src[0] == "final"
                        else rows[src[1]][src[2]])
         return out
 

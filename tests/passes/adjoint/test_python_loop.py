@@ -138,3 +138,45 @@ def test_rolled_chain_equals_the_loop_as_written(T):
         new = rewrite(closed, [roll(closed.jaxpr, chain)])
         assert [e.primitive.name for e in new.jaxpr.eqns].count("scan") == 1
         np.testing.assert_allclose(jax.jit(jx.jaxpr_as_fun(new))(*args)[0], jax.jit(f)(*args), rtol=1e-14)
+
+
+def _with_total(a, w, h0, xs, partials=None):
+    """A running total kept in the loop (``loss = loss + f(h)``), as a training loop writes its loss."""
+    h, loss = h0, 0.0
+    for t in range(xs.shape[0]):
+        h = jax.nn.sigmoid(a * xs[t]) * h + w * xs[t]
+        loss = loss + jnp.sum(jnp.sin(h) ** 2)
+        if partials is not None:
+            partials.append(loss)
+    return loss + jnp.sum(h ** 2) + (0.0 if partials is None else 0.01 * jnp.sum(jnp.stack(partials) ** 2))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("read_partials", [False, True])
+def test_running_total_leaves_the_carry(dtype, read_partials):
+    with _x64(dtype):
+        k = jax.random.split(jax.random.key(7), 4)
+        a, w, h0 = (jax.random.normal(k[i], (2, 5)).astype(dtype) for i in range(3))
+        xs = jax.random.normal(k[3], (19, 2, 5)).astype(dtype)
+        loss = (lambda *args: _with_total(*args, partials=[])) if read_partials else _with_total
+        argnums = (0, 1, 2, 3)
+        want = jax.jit(jax.value_and_grad(loss, argnums))(a, w, h0, xs)
+        f = hlopass.jit(jax.value_and_grad(loss, argnums))
+        _compare(f(a, w, h0, xs), want, dtype)
+        report = f.trace(a, w, h0, xs).report
+        assert [r.details["steps"] for r in _rolled(report)] == [19]
+        assert _kinds(report) == [None, "diagonal"]
+
+
+def test_a_total_the_state_reads_is_not_a_running_total():
+    def loss(a, h0, xs):
+        h, total = h0, jnp.zeros_like(h0)
+        for t in range(xs.shape[0]):
+            h = a * h + xs[t] * jnp.tanh(total)        # the state reads the total: one non-linear carry
+            total = total + h
+        return jnp.sum(total)
+    args = (jnp.full(3, 0.9), jnp.ones(3), jax.random.normal(jax.random.key(2), (11, 3)))
+    f = hlopass.jit(jax.grad(loss, (0, 1, 2)), passes=[AdjointPass(chunk=4)])
+    _compare(f(*args), jax.jit(jax.grad(loss, (0, 1, 2)))(*args), "float32")
+    report = f.trace(*args).report
+    assert _kinds(report) == [] and "tanh" in " ".join(s.reason for s in report.skipped)
