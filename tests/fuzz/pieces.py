@@ -868,3 +868,23 @@ def _fdeep(r, c, aval):
             v = v + jnp.tanh(a[scales][k] * v)
         return v
     return fn, f"{layers} layers of v+tanh(s_k*v)"
+
+
+@piece("frontier", "python_loop", weight=2, stage="map", dtypes=FLOATS, exact=False)
+def _fpython_loop(r, c, aval):
+    """A linear recurrence along the long axis written as a Python loop over its first rows (a chain of
+    unrolled steps the adjoint pass rolls back into a scan), decay constant or selective (from the row)."""
+    axis, selective = _long_axis(r, aval.shape), r.boolean()
+    steps = r.integer(8, 13)
+
+    def fn(v, a):
+        moved = jnp.moveaxis(v, axis, 0)
+        k = min(steps, moved.shape[0])
+        h, rows = jnp.zeros(moved.shape[1:], v.dtype), []
+        for t in range(k):
+            decay = jax.nn.sigmoid(moved[t]) if selective else jnp.asarray(0.9, v.dtype)
+            h = decay * h + moved[t]
+            rows.append(h)
+        out = jnp.concatenate([jnp.stack(rows), moved[k:]], 0) if k else moved
+        return jnp.moveaxis(out, 0, axis)
+    return fn, f"python loop over {steps} rows: h = {'sigmoid(row)' if selective else '0.9'}*h + row (axis={axis})"
