@@ -46,6 +46,7 @@ FIXED_SEEDS = [str(s) for s in range(190)] + [f"s{s}" for s in range(16)]
 REGRESSION_SEEDS: list[str] = [
     "r884065875121",  # nested split recursion (test_nested_split_of_a_sliced_loop_input_terminates)
     "s311035862363",  # bfloat16 short reduction not unrolled (test_split_leaves_a_bfloat16_short_reduction_whole)
+    "s83364669320",   # float64 gradient that is analytically zero: rounding noise (test_float64_noise_is_judged_...)
     "r889795358562",  # float16 overflow: jax.jit NaN, hlopass the float32 run's value (runner.overflowed_alike)
     "r606571850171",  # float16 overflow in a gradient where jax.jit itself is off the float32 run
     "r116110320919",  # bfloat16 count of inexact values: rounding, judged by entries moved (as_accurate)
@@ -417,3 +418,25 @@ def test_grad_out_batches_draw_no_memory_limit_yet():
     assert "grad_out" not in runner.MEMORY_LIMIT_MODES
     assert all(runner.draw_batch(f"s{i}").memory_fraction is None
                for i in range(40) if runner.draw_batch(f"s{i}").mode == "grad_out")
+
+
+def test_float64_noise_is_judged_by_one_rounding_step_of_the_inputs():
+    """Soak seed s83364669320, program 3 (float64 ``var(x[:, None] + y[None], axis=1)``, ...): the gradient
+    with respect to ``x`` is zero analytically, and both runs return rounding noise (hlopass -2e-15,
+    jax.jit 1.3e-14), far past float64's relative tolerance of a 1e-14 scale. As for narrower types, the
+    program run on inputs moved by one rounding step (float64 has no wider type: the run itself) decides:
+    in plain JAX that moves jax.jit's own gradient by as much. A well-conditioned leaf stays strict."""
+    import jax.numpy as jnp
+    import numpy as np
+    x = np.random.default_rng(0).normal(size=(55, 3))
+    y = np.random.default_rng(1).normal(size=(27, 3))
+    moved = x * (1 + np.finfo(np.float64).eps * np.random.default_rng(2).normal(size=x.shape))
+    with jax.enable_x64(True):
+        grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.var(x[:, None] + y[None], axis=1))))
+        here, there = np.asarray(grad(x)), np.asarray(grad(moved))
+    scale = np.abs(here).max()
+    assert scale < 1e-13 and np.abs(here - there).max() > runner.TOLERANCE["float64"] * scale
+    noise = [np.array([-2e-15]), np.array([1.3e-14]), np.array([1.3e-14]), np.array([-4e-15])]
+    assert runner.as_accurate(*noise) is None
+    strict = [np.array([1.0 + 1e-6]), np.array([1.0]), np.array([1.0]), np.array([1.0 + 2e-16])]
+    assert runner.as_accurate(*strict) is not None
