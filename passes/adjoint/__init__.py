@@ -164,12 +164,16 @@ class AdjointPass(Pass):
     def wants_retrace(self, closed: jx.ClosedJaxpr, config: Config) -> bool:
         """Whether ``closed`` (traced with default options) holds a transposed scan: a ``lax.scan``
         whose carry JAX differentiated in reverse mode runs backwards (``reverse=True``) with an
-        inexact carry; or a Python loop's chain of steps linear in its carry (:mod:`.chains`) with
-        no chain of the same length that is not (the backward pass of any loop is linear in the
-        cotangent it carries; a loop that is linear itself has a linear forward chain too). Any
-        other program has no recurrence this pass would replace."""
-        return self.options == AdjointOptions() and (
-            any(_transposed_scan(e) for e in iter_eqns(closed.jaxpr)) or linear_chains_only(closed))
+        inexact carry; or, in a program JAX differentiated in reverse mode (it accumulates
+        cotangents with ``add_any``), a Python loop's chain of steps linear in its carry
+        (:mod:`.chains`) with no chain of the same length that is not (the backward pass of any
+        loop is linear in the cotangent it carries; a loop that is linear itself has a linear
+        forward chain too). Any other program has no recurrence this pass would replace."""
+        if self.options != AdjointOptions():
+            return False
+        names = {e.primitive.name for e in iter_eqns(closed.jaxpr)}
+        return any(_transposed_scan(e) for e in iter_eqns(closed.jaxpr)) or (
+            "add_any" in names and linear_chains_only(closed))   # add_any: a reverse-mode derivative
 
     @contextlib.contextmanager
     def retrace_context(self, config: Config, notes: list[Note]):

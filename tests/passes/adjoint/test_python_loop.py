@@ -101,6 +101,15 @@ def test_nonlinear_python_loop_is_traced_once_by_default(monkeypatch):
     assert len(calls) == 1
 
 
+def test_undifferentiated_linear_python_loop_is_traced_once():
+    loss, params, h0, xs = _loop_loss("diagonal", 13, "float32")
+    calls = []
+    counted = lambda *a: calls.append(1) or loss(*a)      # noqa: E731
+    f = hlopass.jit(counted)
+    np.testing.assert_allclose(f(params, h0, xs), jax.jit(loss)(params, h0, xs), rtol=1e-6)
+    assert len(calls) == 1
+
+
 def _chain_program(T):
     def f(a, b, h):
         for t in range(T):
