@@ -10,17 +10,18 @@ traces to T copies of the step's equations and no scan, so the adjoint
 method has nothing to replace. :func:`find_chains` finds such chains in one
 jaxpr level: a run of at least ``MIN_STEPS`` consecutive periods of
 equations with the same primitives and shapes, wired identically from one
-period to the next. In each period, the *body* is what depends on the value
-the previous period handed over (the carry); the rest (slicing ``x[t]``, the
-products of inputs and weights) is *hoisted*: it runs as written, outside the
-scan, and its per-step values are stacked as the scan's ``xs``. A step may
-read only its own values, the previous step's carry and values from before
-the loop; a reference two steps back, differing parameters in the body (say
-a step index baked into a body equation) or effects end the match.
+period to the next. In each period, the *body* is every equation whose
+parameters all steps share; the rest (the slices ``x[t]``, whose index changes)
+is *hoisted*: it runs as written, outside the scan, and its per-step values
+are stacked as the scan's ``xs`` (rows of one array are scanned as that array).
+The carry is what a step's body reads from the previous step. A step may read
+only its own values, the previous step's values and values from before the
+loop (a loop reaching two steps back matches with a period of two steps); a
+hoisted equation that reads the carry, or effects, end the match.
 
 :func:`roll` emits, in place of the chain, the hoisted equations, one
-``lax.scan`` of the body over the stacked inputs, and slices of its outputs
-where later code reads one step's values. The adjoint pass rolls a chain
+``lax.scan`` of the body over the stacked inputs, and one split of each output
+that later code reads a step of. The adjoint pass rolls a chain
 only when the scan it makes is a linear recurrence (:func:`.recurrence.classify`),
 and leaves every other chain as written, named with the reason. A running total
 (``loss = loss + f(h)``) is not part of that scan's carry: the scan returns each
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections import defaultdict
 from typing import Any
 
 import jax
@@ -56,8 +56,8 @@ class Chain:
     start: int
     period: int
     steps: int
-    body: list[int]              # positions in a period that depend on the carry, in order
-    hoisted: list[int]           # the other positions
+    body: list[int]              # positions in a period whose parameters all steps share, in order
+    hoisted: list[int]           # the other positions (run as written, outside the scan)
     carry: list[tuple[int, int]]  # (position, output index) the next step reads
     wiring: dict[int, list[tuple]]   # body position -> one source per input
     init: list[Any]              # the carry's atoms before the first step
@@ -111,7 +111,7 @@ def _same_params(a: dict, b: dict) -> bool:
 
 def _candidates(keys: list[tuple]) -> list[tuple[int, int]]:
     """(first index, period) of every key that recurs at a constant distance ``MIN_STEPS`` times."""
-    positions: dict[tuple, list[int]] = defaultdict(list)
+    positions: dict[tuple, list[int]] = collections.defaultdict(list)
     for i, k in enumerate(keys):
         positions[k].append(i)
     found = set()
