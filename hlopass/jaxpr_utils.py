@@ -215,3 +215,16 @@ def values_above(closed, threshold: int, limit: int = 8) -> list[tuple[str, int,
 def _described(rows) -> list[tuple[str, int, str]]:
     from hlopass.report import source_line
     return [(aval_str(var.aval), nbytes, f"{eqn.primitive.name} at {source_line(eqn)}") for nbytes, var, eqn in rows]
+
+
+def last_uses(jaxpr: jx.Jaxpr) -> dict[jx.Var, int]:
+    """For each variable, the index of the last equation reading it (``len(eqns)`` for outputs)."""
+    last: dict[jx.Var, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for atom in eqn.invars:
+            if isinstance(atom, jx.Var):
+                last[atom] = i
+    for atom in jaxpr.outvars:
+        if isinstance(atom, jx.Var):
+            last[atom] = len(jaxpr.eqns)
+    return last

@@ -17,7 +17,7 @@ import dataclasses
 
 from hlopass import internals as jx
 
-from hlopass.jaxpr_utils import aval_nbytes, aval_str, subjaxprs
+from hlopass.jaxpr_utils import aval_nbytes, aval_str, last_uses, subjaxprs
 from hlopass.report import source_line
 
 
@@ -60,19 +60,6 @@ def _var_bytes(atom) -> int:
     return aval_nbytes(atom.aval) if isinstance(atom, jx.Var) else 0
 
 
-def _last_uses(jaxpr: jx.Jaxpr) -> dict[jx.Var, int]:
-    """For each variable, the index of the last equation reading it (``len(eqns)`` for outputs)."""
-    last: dict[jx.Var, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for atom in eqn.invars:
-            if isinstance(atom, jx.Var):
-                last[atom] = i
-    for atom in jaxpr.outvars:
-        if isinstance(atom, jx.Var):
-            last[atom] = len(jaxpr.eqns)
-    return last
-
-
 def inner_peak_bytes(eqn) -> int:
     """What ``eqn``'s sub-jaxprs hold at their peak beyond their own inputs (0 without sub-jaxprs)."""
     extra = 0
@@ -91,7 +78,7 @@ def peak_live_bytes(jaxpr) -> int:
 def timeline(closed) -> Timeline:
     """The :class:`Timeline` of ``closed`` (a ``ClosedJaxpr`` or ``Jaxpr``), in program order."""
     jaxpr = getattr(closed, "jaxpr", closed)
-    last = _last_uses(jaxpr)
+    last = last_uses(jaxpr)
     arguments = {v for v in (*jaxpr.constvars, *jaxpr.invars)}
     argument_bytes = sum(_var_bytes(v) for v in arguments)
     output_bytes = sum(_var_bytes(v) for v in jaxpr.outvars)

@@ -41,6 +41,7 @@ from jax import lax
 from hlopass import internals as jx
 
 from hlopass.interpreter import Replacement, bind_equation
+from hlopass.jaxpr_utils import last_uses
 
 #: The fewest steps a chain needs to be rolled (fewer keep nothing worth the scan).
 MIN_STEPS = 8
@@ -127,18 +128,6 @@ def _candidates(keys: list[tuple]) -> list[tuple[int, int]]:
     return sorted(found)
 
 
-def _last_uses(jaxpr: jx.Jaxpr) -> dict:
-    last: dict = {}
-    for i, e in enumerate(jaxpr.eqns):
-        for a in e.invars:
-            if isinstance(a, jx.Var):
-                last[a] = i
-    for a in jaxpr.outvars:
-        if isinstance(a, jx.Var):
-            last[a] = len(jaxpr.eqns)
-    return last
-
-
 def find_chains(jaxpr: jx.Jaxpr) -> list[Chain]:
     """The chains of steps in ``jaxpr``'s own equations (not its sub-jaxprs), in order."""
     eqns = jaxpr.eqns
@@ -160,7 +149,7 @@ def find_chains(jaxpr: jx.Jaxpr) -> list[Chain]:
             steps = (b - o) // p
             if steps < MIN_STEPS:
                 break
-            last = last if last is not None else _last_uses(jaxpr)
+            last = last if last is not None else last_uses(jaxpr)
             try:
                 chain = _verify(jaxpr, o, p, steps, last)
             except Exception:  # noqa: BLE001 - equations this matcher does not understand: no chain
