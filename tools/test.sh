@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh test,plot,explorer,docs
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two worker processes (pytest-xdist), each test file on one of them; HLOPASS_TEST_WORKERS=0 runs in this
+# process, and a later `-n N` on the command line wins.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${HLOPASS_TEST_WORKERS:-2}" --dist loadfile "$@"
