@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import jax
 from jax._src import api as _api
 from jax._src import api_util as _api_util
 from jax._src import config as _config
@@ -62,6 +63,16 @@ __all__ = ["ArrayImpl", "ir"]  # the rest is listed by the groups below
 def _optional(module, name: str):
     """``module.name``, or ``None`` where this JAX version has no such name (a feature check)."""
     return getattr(module, name, None)
+
+
+# -- hlopass's own part of JAX's trace-cache keys ---------------------------------------------------
+
+#: A JAX user context (``jax.make_user_context``: its value is part of the key of every trace cache,
+#: ``jax.jit``'s and ``lax.scan`` bodies'), set by the ``hvp`` pass while it traces with its own rules
+#: so that what it traces never reaches plain calls. Made here, when hlopass is imported: making one
+#: changes every cache key, so a later one would have every function JAX had traced before (numpyro's
+#: 62 jitted helpers, traced by ``initialize_model``) traced again at hlopass's first call.
+TRACE_KEY = jax.make_user_context(default_value=None)
 
 
 # -- jaxprs and their parts ----------------------------------------------------------------------

@@ -47,12 +47,13 @@ def count_equations(jaxpr) -> int:
     return total
 
 
-def subjaxprs(eqn) -> Iterator[jx.Jaxpr]:
+def subjaxprs(eqn, into_own_programs: bool = False) -> Iterator[jx.Jaxpr]:
     """Every (open) sub-jaxpr held in ``eqn.params``: scan/while/cond bodies, call bodies...
 
-    A nested ``hlopass_call`` is another hlopass program, with its own settings: not entered.
+    A nested ``hlopass_call`` is another hlopass program, with its own settings: entered only with
+    ``into_own_programs``.
     """
-    if eqn.primitive.name in OWN_PROGRAMS:
+    if eqn.primitive.name in OWN_PROGRAMS and not into_own_programs:
         return
     for value in eqn.params.values():
         yield from _jaxprs_in(value)
@@ -143,10 +144,7 @@ def iter_eqns(jaxpr, into_own_programs: bool = False) -> Iterator[Any]:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jaxpr.eqns:
         yield eqn
-        subs = subjaxprs(eqn)
-        if into_own_programs and eqn.primitive.name in OWN_PROGRAMS:
-            subs = _jaxprs_in(list(eqn.params.values()))
-        for sub in subs:
+        for sub in subjaxprs(eqn, into_own_programs):
             yield from iter_eqns(sub, into_own_programs)
 
 

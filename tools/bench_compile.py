@@ -274,6 +274,7 @@ def measure(name: str, column: str) -> dict:
     for hlopass each pass's own seconds from the report: a breakdown, in a process already warm.
     """
     import jax
+    import hlopass  # noqa: F401 - imported before the program is built, as a user's script does
     fn, args = PROGRAMS[name]()
     jax.block_until_ready(args)
     f = _jitted(column, fn, args)

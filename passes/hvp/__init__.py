@@ -15,8 +15,10 @@ Two ways in, for the two ways of using hlopass:
 
 - ``@hlopass.jit`` on a function that calls ``jax.grad(meta_loss)`` itself:
   the replacement is made while the function is traced
-  (:mod:`.trace`, through :meth:`~hlopass.Pass.trace_context`), since afterwards the outer backward pass is
-  already interleaved with the inner one;
+  (:mod:`.trace`, through :meth:`~hlopass.Pass.retrace_context`), since afterwards the outer backward pass is
+  already interleaved with the inner one. The first trace only observes
+  (:meth:`~hlopass.Pass.trace_context`); the replacing one is asked for when it saw a nested gradient
+  or the program calls a function holding a backward pass (:meth:`HvpPass.wants_retrace`);
 - ``jax.grad(hlopass.jit(meta_loss))``: hlopass builds the VJP itself, and
   the :meth:`~hlopass.Pass.before_linearize` hook (:mod:`.regions`) finds each inner-gradient
   region in the primal jaxpr and replaces it before JAX linearises it.
@@ -40,7 +42,7 @@ from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 
 from .regions import linearize_hook
-from .trace import intercept_gradients
+from .trace import inner_gradient_in_call, intercept_gradients, nested_gradient_seen, observe_gradients
 
 
 class HvpPass(Pass):
@@ -59,6 +61,15 @@ class HvpPass(Pass):
         return closed
 
     def trace_context(self, config, notes: list[Note]):
+        """The first trace only observes (JAX's caches shared with plain calls, nothing replaced)."""
+        return observe_gradients()
+
+    def wants_retrace(self, closed, config) -> bool:
+        """Traced again, replacing, when a gradient was taken inside reverse-mode differentiation or
+        the program calls a jitted function holding a backward pass (JAX may have cached it)."""
+        return nested_gradient_seen() or inner_gradient_in_call(closed.jaxpr) is not None
+
+    def retrace_context(self, config, notes: list[Note]):
         """Inner gradients under an outer gradient become forward-over-reverse while tracing."""
         return intercept_gradients(notes)
 

@@ -35,6 +35,16 @@ of this trace and its depth. So a ``jax.jit(jax.grad(loss))`` traced before
 hlopass is traced again under the interception, and what it traces there
 (custom_vjp replacements included) never reaches plain ``jax.jit`` calls
 made outside hlopass.
+
+Most programs hold no nested gradient, and tracing their jitted helpers
+afresh costs time for nothing (a numpyro potential's 62 helpers, which
+``initialize_model`` had traced already: 0.25 s). So ``hlopass.jit`` first
+traces under :func:`observe_gradients`, which keeps JAX's caches shared with
+plain calls and replaces nothing, only notes whether a gradient was taken
+inside reverse-mode differentiation; the pass asks for the replacing trace
+(:func:`intercept_gradients`) only then, or when the program calls a jitted
+function with a backward pass inside it (:func:`inner_gradient_in_call`: one
+JAX had cached, whose gradient the observation could not see being taken).
 """
 
 from __future__ import annotations
@@ -51,15 +61,15 @@ import jax.numpy as jnp
 from hlopass import internals as jx
 
 from hlopass import report
+from hlopass.jaxpr_utils import subjaxprs
 from hlopass.patches import Patches
 from hlopass.report import Note
 
 from .fwdrev import SCOPE, add_note, forward_differentiable, fwdrev_value_and_grad, in_machinery
 
 #: Part of the key of JAX's trace caches (``jax.jit``, ``lax.scan`` bodies...): ``None`` outside
-#: the interception, ``(token of this trace, nested?)`` inside it. Created once, at import, as
-#: ``jax.make_user_context`` asks.
-_TRACE_KEY = jax.make_user_context(default_value=None)
+#: the interception, ``(token of this trace, nested?)`` inside it (made when hlopass is imported).
+_TRACE_KEY = jx.TRACE_KEY
 
 #: Per thread: ``tracing`` (the :class:`_Tracing` in force, or absent) and ``depth`` (how many
 #: reverse-mode differentiations the current code is nested in).
@@ -69,13 +79,21 @@ _state = threading.local()
 
 
 class _Tracing:
-    """One use of :func:`intercept_gradients`: where its notes go, and its cache-key token."""
+    """One use of :func:`intercept_gradients` (where its notes go, and its cache-key token) or of
+    :func:`observe_gradients` (no token: JAX's caches shared with plain calls; ``nested`` says whether
+    a gradient was taken inside reverse-mode differentiation)."""
 
-    __slots__ = ("notes", "token")
+    __slots__ = ("notes", "token", "nested")
 
-    def __init__(self, notes: list[Note]):
+    def __init__(self, notes: list[Note] | None):
         self.notes = notes
-        self.token = object()  # compared by identity: no other trace shares JAX's cache entries
+        # compared by identity: no other trace shares JAX's cache entries
+        self.token = None if notes is None else object()
+        self.nested = False
+
+    @property
+    def observing(self) -> bool:
+        return self.notes is None
 
 
 def _tracing() -> _Tracing | None:
@@ -96,8 +114,12 @@ def _at_depth(depth: int):
     saved = _depth()
     _state.depth = depth
     tracing = _tracing()
+    if tracing is not None and tracing.observing:
+        key = contextlib.nullcontext()  # not even None: a value set counts in JAX's cache keys as such
+    else:
+        key = _TRACE_KEY(None if tracing is None else (tracing.token, depth > 0))
     try:
-        with _TRACE_KEY(None if tracing is None else (tracing.token, depth > 0)):
+        with key:
             yield
     finally:
         _state.depth = saved
@@ -212,6 +234,9 @@ def _patched_vjp(fun, *primals, has_aux=False, **kwargs):
     if in_machinery() or tracing is None:
         return original(fun, *primals, has_aux=has_aux, **kwargs)
     if _depth() > 0 and not kwargs and _has_tracer(primals) and _float_leaves(primals):
+        if tracing.observing:
+            tracing.nested = True
+            return original(_nested(fun), *primals, has_aux=has_aux, **kwargs)
         result = _fwdrev_vjp(fun, primals, has_aux, tracing.notes)
         if result is not None:
             return result
@@ -245,6 +270,56 @@ def _original_vjp() -> Callable:
 
 
 @contextlib.contextmanager
+def _intercepting(notes: list[Note] | None):
+    with _PATCHES.active():
+        outer = _tracing()
+        _state.tracing = tracing = _Tracing(notes)
+        try:
+            with _at_depth(0 if outer is None else _depth()):
+                yield tracing
+        finally:
+            _state.tracing = outer
+            if tracing.observing:
+                _state.nested_seen = tracing.nested
+
+
+@contextlib.contextmanager
+def observe_gradients():
+    """While active, the depth of reverse-mode differentiation is tracked as by
+    :func:`intercept_gradients`, but nothing is replaced and JAX's trace caches are those of plain
+    calls; :func:`nested_gradient_seen` says afterwards whether a gradient was taken inside one."""
+    with _intercepting(None):
+        yield
+
+
+def nested_gradient_seen() -> bool:
+    """Whether the last :func:`observe_gradients` to end on this thread saw a gradient taken inside
+    reverse-mode differentiation (read right after the trace: a trace nested in it ends first)."""
+    return getattr(_state, "nested_seen", False)
+
+
+def _name_stack(eqn) -> str:
+    return str(eqn.source_info.name_stack)
+
+
+def inner_gradient_in_call(jaxpr: jx.Jaxpr, transposed: bool = False):
+    """The first call (``jax.jit``, ``lax.scan``...) that is not itself part of a backward pass but
+    whose program holds one (equations JAX named ``transpose``): a gradient taken inside a function
+    JAX may have cached (a ``hlopass.jit`` function too); ``None`` when there is none. The backward
+    pass of a first-order program transposes its calls, but those calls are named ``transpose``
+    themselves."""
+    for eqn in jaxpr.eqns:
+        inside = transposed or "transpose" in _name_stack(eqn)
+        for sub in subjaxprs(eqn, into_own_programs=True):
+            if not inside and any("transpose" in _name_stack(e) for e in sub.eqns):
+                return eqn
+            found = inner_gradient_in_call(sub, inside)
+            if found is not None:
+                return found
+    return None
+
+
+@contextlib.contextmanager
 def intercept_gradients(notes: list[Note]):
     """While active, gradients nested in reverse-mode differentiation are taken forward-over-reverse.
 
@@ -254,11 +329,5 @@ def intercept_gradients(notes: list[Note]):
     starts at zero for each outermost use. The patched entry points are
     installed while any thread traces under this context.
     """
-    with _PATCHES.active():
-        outer = _tracing()
-        _state.tracing = _Tracing(notes)
-        try:
-            with _at_depth(0 if outer is None else _depth()):
-                yield
-        finally:
-            _state.tracing = outer
+    with _intercepting(notes):
+        yield

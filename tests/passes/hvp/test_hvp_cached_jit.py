@@ -4,6 +4,8 @@ that plain calls could pick up."""
 
 import functools
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +153,36 @@ def test_each_trace_reports_its_own_replacements():
     for _ in range(2):
         fn = hlopass.jit(task, passes="hvp")
         assert [r.kind for r in fn.trace(*args).report.rewrites if r.pass_name == "hvp"] == ["fwdrev_hvp"]
+
+
+FIRST_ORDER_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+import hlopass                     # first, as a script does; no hlopass function called yet
+traced = []
+
+@jax.jit
+def helper(w, x):
+    traced.append(1)
+    return jnp.tanh(x @ w)
+
+def loss(w, x):
+    return jnp.sum(helper(w, x) ** 2)
+
+w, x = jnp.ones((5, 3)) / 7, jnp.arange(20.0).reshape(4, 5) / 20
+want = jax.jit(jax.grad(loss))(w, x)      # JAX traces the helper (and caches it)
+calls = []
+got = hlopass.jit(jax.grad(lambda w, x: calls.append(1) or loss(w, x)))(w, x)
+np.testing.assert_allclose(got, want, rtol=1e-6)
+print("TRACES", len(traced), len(calls))
+"""
+
+
+def test_first_order_program_reuses_what_jax_traced_before():
+    """No gradient nested in another: hlopass traces the function once, and the ``jax.jit`` helpers
+    JAX had traced before hlopass's first call are not traced again (the hvp pass's first trace only
+    observes, and its JAX user context was made at ``import hlopass``). In a fresh process, since
+    which modules this one imported first is not the point."""
+    done = subprocess.run([sys.executable, "-c", FIRST_ORDER_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TRACES 1 1" in done.stdout, done.stdout
