@@ -7,9 +7,9 @@ whose length the axis's ``D`` devices divide becomes a ``shard_map``
 (:func:`sharded_adjoint_scan`): device ``d`` holds rows ``[d T/D, (d+1) T/D)``
 of the scanned inputs and outputs and
 
-1. runs its rows twice from the states 0 and 1 (adjoint scans of its rows,
-   keeping nothing): the end states ``e_d`` and ``e_d + M_d``, so its rows'
-   map is ``h -> M_d * h + e_d`` (``M_d`` the product of its decays);
+1. runs its rows from the states 0 and 1 (one adjoint scan of its rows,
+   batched over the two states): the end states ``e_d`` and ``e_d + M_d``, so
+   its rows' map is ``h -> M_d * h + e_d`` (``M_d`` the product of its decays);
 2. gathers every device's ``(M, e)`` (one ``all_gather``) and folds those of
    the devices before it onto the initial state: its incoming state;
 3. runs its rows from that state as an adjoint scan (:mod:`.emit`: chunk
@@ -64,10 +64,11 @@ def sharded_adjoint_scan(step: Callable, num_consts: int, num_carry: int, num_xs
         consts = list(args[:nc])
         init = list(args[nc:nc + nk])
         xs = list(args[nc + nk:])
-        zeros = [jnp.zeros_like(h) for h in init]
-        ones = [jnp.ones_like(h) for h in init]
-        e = list(local(*consts, *zeros, *xs))[:nk]
-        m = [f - z for f, z in zip(list(local(*consts, *ones, *xs))[:nk], e)]
+        # both runs at once: the rows' scan batched over the two initial states 0 and 1
+        starts = [jnp.stack([jnp.zeros_like(h), jnp.ones_like(h)]) for h in init]
+        both = jax.vmap(lambda *h: list(local(*consts, *h, *xs))[:nk])(*starts)
+        e = [b[0] for b in both]
+        m = [b[1] - b[0] for b in both]
         all_m = [lax.all_gather(v, axis) for v in m]
         all_e = [lax.all_gather(v, axis) for v in e]
         me = lax.axis_index(axis)
