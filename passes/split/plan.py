@@ -29,7 +29,7 @@ from hlopass.report import PassReport, source_line
 
 from .emit import LoopPlan, fusible_dot
 from .options import SplitOptions
-from .recompute import recompute_for_later_stages, staged_values
+from .recompute import Staging
 from .region import FUSIBLE_PRODUCERS, FUSING_CONSUMERS, Infeasible, SplitRegion, grow_region, seed_labels, seeds
 from .report import error_text, named_at
 from .shares import device_bytes, sharded_values
@@ -302,13 +302,18 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
 
 def _recompute_staged(current, plans, failures, config: Config, report: PassReport, options: SplitOptions,
                       broken: set, online: bool, split_level: SplitLevel):
-    memo: list = [None, None]   # the last jaxpr asked about (kept alive, so its id stays its own) and its answer
+    memo: list = [None, None, None]   # the last jaxpr asked about (kept alive), its staging and candidates
+
+    def staging_of(jaxpr) -> Staging:
+        if memo[0] is not jaxpr:
+            staging = Staging(jaxpr, config.split_size, online)
+            found = staging.values()
+            memo[:] = [jaxpr, staging, found[::-1] if online else found]
+        return memo[1]
 
     def candidates_of(jaxpr):
-        if memo[0] is not jaxpr:
-            found = staged_values(jaxpr, config.split_size, online)
-            memo[:] = [jaxpr, found[::-1] if online else found]
-        return memo[1]
+        staging_of(jaxpr)
+        return memo[2]
 
     tried = 0
     for _ in range(len(current.jaxpr.eqns)):
@@ -316,7 +321,7 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
         if tried >= len(candidates) or _score(plans, failures) == (0, 0):
             break
         var = candidates[tried]
-        staged = recompute_for_later_stages(current, var, config.split_size, online)
+        staged = staging_of(current.jaxpr).recompute(current, var)
         staged_plans, staged_failures = plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
                                                    options, broken, split_level=split_level)
         if _score(staged_plans, staged_failures) < _score(plans, failures):
@@ -330,7 +335,7 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
             candidates = candidates_of(staged.jaxpr)
             if not candidates:
                 break
-            copied = recompute_for_later_stages(staged, candidates[0], config.split_size, online)
+            copied = staging_of(staged.jaxpr).recompute(staged, candidates[0])
             if copied is staged:
                 break
             staged = copied

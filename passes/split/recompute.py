@@ -7,7 +7,7 @@ gradient then multiplies ``A`` again by a matrix made from that sum; Sinkhorn's
 cost matrix is reduced along rows for ``f`` and then read along columns with
 ``f``. One loop cannot do both ("that would take two passes").
 
-:func:`recompute_for_later_stages` rewrites the jaxpr so that every *stage* of readers
+:meth:`Staging.recompute` rewrites the jaxpr so that every *stage* of readers
 reads its own copy of the value, computed again from the same small inputs:
 a reader's stage is the number of reductions behind the values its chain of
 large results meets (see :class:`_Stages`), and the copy is made of the
@@ -29,36 +29,41 @@ from .rules import dim_map
 from .shares import device_bytes
 
 
-def staged_values(jaxpr: jx.Jaxpr, large: int, online: bool = False) -> list[jx.Var]:
-    """Large values (over ``large`` bytes, not program outputs) read in more than one stage and
-    recomputable from small values, in program order. With ``online``, a floating ``reduce_max``
-    starts no stage (one loop can carry a running maximum, see :mod:`.online`)."""
-    graph = DataflowGraph(jaxpr)
-    stages = _Stages(jaxpr, graph, large, online)
-    share = device_bytes(jaxpr)
-    found = []
-    for i, eqn in enumerate(jaxpr.eqns):
-        for var in eqn.outvars:
-            if isinstance(var, jx.DropVar) or share(var) <= large or graph.is_output(var):
-                continue
-            if stages.later_readers(var) and _cone(jaxpr, graph, i, large) is not None:
-                found.append(var)
-    return found
+class Staging:
+    """The stages of one jaxpr's large values (over ``large`` bytes; with ``online``, a floating
+    ``reduce_max`` starts no stage, see :mod:`.online`), asked about one value after another: the
+    planner tries each candidate's copies on the same program, and its dataflow graph and stages are
+    built once for all of them."""
 
+    def __init__(self, jaxpr: jx.Jaxpr, large: int, online: bool = False):
+        self.jaxpr, self.large = jaxpr, large
+        self.graph = DataflowGraph(jaxpr)
+        self.stages = _Stages(jaxpr, self.graph, large, online)
 
-def recompute_for_later_stages(closed: jx.ClosedJaxpr, var: jx.Var, large: int,
-                               online: bool = False) -> jx.ClosedJaxpr:
-    """``closed`` where the readers of ``var`` in later stages read a copy computed again (one copy per
-    further stage)."""
-    jaxpr = closed.jaxpr
-    graph = DataflowGraph(jaxpr)
-    if var not in graph.producer:
-        return closed
-    groups = _Stages(jaxpr, graph, large, online).later_stages(var)
-    cone = _cone(jaxpr, graph, graph.producer[var], large) if groups else None
-    if cone is None:
-        return closed
-    return dce(jx.ClosedJaxpr(_with_copies(jaxpr, cone, groups), closed.consts))
+    def values(self) -> list[jx.Var]:
+        """Large values (not program outputs) read in more than one stage and recomputable from small
+        values, in program order."""
+        share = device_bytes(self.jaxpr)
+        found = []
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            for var in eqn.outvars:
+                if isinstance(var, jx.DropVar) or share(var) <= self.large or self.graph.is_output(var):
+                    continue
+                if self.stages.later_readers(var) and _cone(self.jaxpr, self.graph, i, self.large) is not None:
+                    found.append(var)
+        return found
+
+    def recompute(self, closed: jx.ClosedJaxpr, var: jx.Var) -> jx.ClosedJaxpr:
+        """``closed`` (whose jaxpr is this one) where the readers of ``var`` in later stages read a copy
+        computed again (one copy per further stage); ``closed`` itself when there is nothing to copy."""
+        assert closed.jaxpr is self.jaxpr
+        if var not in self.graph.producer:
+            return closed
+        groups = self.stages.later_stages(var)
+        cone = _cone(self.jaxpr, self.graph, self.graph.producer[var], self.large) if groups else None
+        if cone is None:
+            return closed
+        return dce(jx.ClosedJaxpr(_with_copies(self.jaxpr, cone, groups), closed.consts))
 
 
 class _Stages:
