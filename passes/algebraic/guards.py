@@ -356,13 +356,18 @@ def emit_planned(p: Plan, expansion: Expansion, values: list, output_labels: tup
                                    sq.summed)]
         expansion = Expansion(tuple(monomials) + p.rest)
     terms = emit_terms(expansion, values, output_labels, label_sizes, out_shape, dtype)
-    total = add_terms(terms, out_shape, dtype)
+    # only the squares have a known sign: the other terms (``rest``: a tanh of the distance added to it,
+    # say) are added after the clamp, as written (fresh seed s779685538234)
+    signed = 3 * len(p.squares) if p.squares else len(terms)
+    total = add_terms(terms[:signed], out_shape, dtype)
     # t + max(-t, 0), not max(t, 0): XLA:CPU's fused maximum before a large sum can drop a NaN, the
     # addition keeps it (and the result is exact: t, or t - t = 0)
     if p.sign > 0:
         total = total + jnp.maximum(-total, zero)
     elif p.sign < 0:
         total = total + jnp.minimum(-total, zero)
+    if terms[signed:]:
+        total = total + add_terms(terms[signed:], out_shape, dtype)
     if p.diagonal:
         on_diagonal = None
         for i, j in p.diagonal:

@@ -61,6 +61,7 @@ REGRESSION_SEEDS: list[str] = [
     "r73655148886",  # loops recomputing one product with different chunks (test_loops_recomputing_one_product...)
     "s526135303789",  # a row of a reversed cumsum narrowed to its own row (test_a_slice_of_a_cumulative_op...)
     "s330764461165",  # a bfloat16 cumlogsumexp's running total carried in bfloat16 (test_split_bfloat16_cumlogsumexp...)
+    "s779685538234",  # an expanded sum clamped at zero with tanh terms in it (test_only_the_squares_of_an_expanded...)
 ]
 #: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
 #: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an

@@ -411,3 +411,30 @@ def test_a_large_argument_keeps_its_finite_guard():
             if r.pass_name == "matrix_chain"] == [True]
     got, want = np.asarray(ours(x, y, w)), np.asarray(jax.jit(fn)(x, y, w))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
+def distance_plus_smooth_terms(x, y, s):
+    """A squared distance with smooth functions of it added before the mean over features: the mean
+    can be negative (fresh seed s779685538234, where such a chain of ``v + tanh(s_k v)`` followed it).
+    In a 16-bit type ``jnp.mean`` sums in float32, so the expansion removes the float32 copy while
+    reading the 16-bit terms."""
+    v = (x[:, None] - y[None]) ** 2
+    for k in range(3):
+        v = v + jnp.tanh(s[k] * v)
+    return jnp.mean(v, axis=-1)
+
+
+def test_only_the_squares_of_an_expanded_sum_are_clamped_at_zero(dtype="float16"):
+    """The expansion keeps the tanh terms as they are and clamps only its squares: the program it
+    emits (evaluated as it is, whatever the never-worse check would keep) gives the negative means
+    ``jax.jit`` gives, where a clamp of the whole sum gave zero."""
+    x, y = (jnp.asarray(normal(i, shape, "float32"), dtype) for i, shape in ((0, (23, 2)), (1, (89, 2))))
+    s = jnp.asarray([-0.05, -1.4, 1.2], dtype)
+    want = np.asarray(jax.jit(distance_plus_smooth_terms)(x, y, s), np.float32)
+    assert want.min() < -0.1          # the case the clamp broke
+    traced = algebraic(distance_plus_smooth_terms).trace(x, y, s)
+    assert [r.kind for r in traced.report.rewrites] == ["expanded_product"]
+    rewritten = traced.rewritten_jaxpr
+    (got,) = jx.eval_jaxpr(rewritten.jaxpr, rewritten.consts, x, y, s)
+    ulp = float(jnp.finfo(dtype).eps)     # the squares summed in float32 instead of rounded each
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=4 * ulp, atol=4 * ulp * np.abs(want).max())
