@@ -37,3 +37,22 @@ def test_hlopass_finishes_at_60000_under_4gb():
     assert result["xla_temp_bytes"] < CAP_BYTES / 8
     assert result["peak_rss_bytes"] < CAP_BYTES
     assert any("split" in r for r in result["rewrites"])
+
+
+def test_peak_rss_is_the_childs_own():
+    """A child started by a process that has grown large reports its own peak, not its parent's
+    (``ru_maxrss`` is kept across ``exec``; under pytest-xdist a worker had grown to 5.9 GB and the
+    capped child above reported that)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    grown = np.ones(1_500_000_000 // 8)          # 1.5 GB, touched
+    try:
+        done = subprocess.run([sys.executable, "-c", "from hlopass.inspection.demo import peak_rss_bytes; "
+                               "print(peak_rss_bytes())"], capture_output=True, text=True, timeout=120)
+    finally:
+        del grown
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) < 1_000_000_000
