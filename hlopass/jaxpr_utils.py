@@ -47,6 +47,11 @@ def count_equations(jaxpr) -> int:
     return total
 
 
+def is_backward(eqn) -> bool:
+    """Whether JAX's transposition emitted ``eqn`` (its name stack holds ``transpose(...)``)."""
+    return "transpose(" in str(eqn.source_info.name_stack)
+
+
 def subjaxprs(eqn, into_own_programs: bool = False) -> Iterator[jx.Jaxpr]:
     """Every (open) sub-jaxpr held in ``eqn.params``: scan/while/cond bodies, call bodies...
 

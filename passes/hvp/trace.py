@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from hlopass import internals as jx
 
 from hlopass import report
-from hlopass.jaxpr_utils import subjaxprs
+from hlopass.jaxpr_utils import is_backward, subjaxprs
 from hlopass.patches import Patches
 from hlopass.report import Note
 
@@ -298,10 +298,6 @@ def nested_gradient_seen() -> bool:
     return getattr(_state, "nested_seen", False)
 
 
-def _name_stack(eqn) -> str:
-    return str(eqn.source_info.name_stack)
-
-
 def inner_gradient_in_call(jaxpr: jx.Jaxpr, transposed: bool = False):
     """The first call (``jax.jit``, ``lax.scan``...) that is not itself part of a backward pass but
     whose program holds one (equations JAX named ``transpose``): a gradient taken inside a function
@@ -309,9 +305,9 @@ def inner_gradient_in_call(jaxpr: jx.Jaxpr, transposed: bool = False):
     pass of a first-order program transposes its calls, but those calls are named ``transpose``
     themselves."""
     for eqn in jaxpr.eqns:
-        inside = transposed or "transpose" in _name_stack(eqn)
+        inside = transposed or is_backward(eqn)
         for sub in subjaxprs(eqn, into_own_programs=True):
-            if not inside and any("transpose" in _name_stack(e) for e in sub.eqns):
+            if not inside and any(is_backward(e) for e in sub.eqns):
                 return eqn
             found = inner_gradient_in_call(sub, inside)
             if found is not None:

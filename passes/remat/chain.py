@@ -33,20 +33,11 @@ import numpy as np
 from hlopass import internals as jx
 
 from hlopass.families import ELEMENTWISE
-from hlopass.jaxpr_utils import aval_nbytes
+from hlopass.jaxpr_utils import aval_nbytes, is_backward
 from hlopass.report import source_line
 
 from .cost import TRANSCENDENTAL, Rates, eqn_counts, jaxpr_counts
 from .schedule import Chain
-
-#: The name-stack mark of equations emitted by JAX's transposition (the backward pass).
-BACKWARD_MARK = "transpose("
-
-
-def is_backward(eqn) -> bool:
-    """Whether JAX's transposition emitted ``eqn`` (its name stack holds ``transpose(...)``)."""
-    return BACKWARD_MARK in str(eqn.source_info.name_stack)
-
 
 def keeps_residuals(closed) -> bool:
     """Whether some backward equation reads a value an equation outside the backward pass defines."""
