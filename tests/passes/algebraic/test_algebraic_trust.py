@@ -438,3 +438,10 @@ def test_only_the_squares_of_an_expanded_sum_are_clamped_at_zero(dtype="float16"
     (got,) = jx.eval_jaxpr(rewritten.jaxpr, rewritten.consts, x, y, s)
     ulp = float(jnp.finfo(dtype).eps)     # the squares summed in float32 instead of rounded each
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=4 * ulp, atol=4 * ulp * np.abs(want).max())
+    # and its gradient (the expansion's own derivative) against jax.grad of the program as written
+    loss = lambda x, y, s: jnp.sum(distance_plus_smooth_terms(x, y, s).astype(jnp.float32))   # noqa: E731
+    emitted = lambda x, y, s: jnp.sum(jx.eval_jaxpr(rewritten.jaxpr, rewritten.consts, x, y, s)[0]  # noqa: E731
+                                      .astype(jnp.float32))
+    for g, w in zip(jax.grad(emitted, (0, 1))(x, y, s), jax.grad(loss, (0, 1))(x, y, s)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=8 * ulp, atol=8 * ulp * np.abs(w).max())
