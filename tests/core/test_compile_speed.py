@@ -195,3 +195,22 @@ def test_regions_named_by_the_engine():
 def test_spy_module_registers_its_passes():
     assert {"test_spy", "test_spy_gated", "test_slow"} <= set(hlopass.available_passes())
     assert spy_pass.SlowPass.seconds > 0.1
+
+
+def test_a_program_measured_again_is_not_compiled_again(monkeypatch):
+    """The split pass measures the program it emits under a memory limit, and the final check measures
+    the same program again: XLA compiles it once, and each check keeps its own label and limit."""
+    from hlopass import memory
+    compiled = []
+    measure = memory.measure
+    monkeypatch.setattr(memory, "measure", lambda c, *a, **k: compiled.append(c) or measure(c, *a, **k))
+    monkeypatch.setattr(memory, "_measured", {})
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x)[:, None] * x[None])(jnp.ones(301))
+    first = memory.footprint(closed, limit=10**9, label="first")
+    again = memory.footprint(closed, limit=1000, label="again")
+    other = memory.footprint(jax.make_jaxpr(lambda x: jnp.cos(x)[:, None] * x[None])(jnp.ones(301)))
+    assert len(compiled) == 2
+    assert (first.label, first.limit, again.label, again.limit) == ("first", 10**9, "again", 1000)
+    assert first.footprint == again.footprint >= 301 * 301 * 4 and not first.over_limit and again.over_limit
+    assert again.largest and not first.largest        # the listing for the warning, over the limit only
+    assert other.footprint == first.footprint and other is not first
