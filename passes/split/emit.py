@@ -148,7 +148,7 @@ class LoopPlan:
             key = (atom, axis)
             if key not in sliced:
                 value = values[atom]
-                sliced[key] = value if axis is None else lax.dynamic_slice_in_dim(value, start, size, axis)
+                sliced[key] = value if axis is None else lax.dynamic_slice_in_dim(value, start, size, axis, allow_negative_indices=False)
             return sliced[key]
 
         env: dict = {}
@@ -364,7 +364,8 @@ class LoopPlan:
             for k, var in enumerate(self.carried):
                 axis = self.output_axis(var)
                 if axis is not None:
-                    new_state[k] = lax.dynamic_update_slice_in_dim(state[k], _like(partial[k], state[k]), start, axis)
+                    new_state[k] = lax.dynamic_update_slice_in_dim(state[k], _like(partial[k], state[k]), start, axis,
+                                                                     allow_negative_indices=False)
                     continue
                 monoid = self.monoid_of(var)
                 if var in maxima:
