@@ -53,9 +53,10 @@ class Staging:
                     found.append(var)
         return found
 
-    def recompute(self, closed: jx.ClosedJaxpr, var: jx.Var) -> jx.ClosedJaxpr:
+    def recompute(self, closed: jx.ClosedJaxpr, var: jx.Var, origins: dict | None = None) -> jx.ClosedJaxpr:
         """``closed`` (whose jaxpr is this one) where the readers of ``var`` in later stages read a copy
-        computed again (one copy per further stage); ``closed`` itself when there is nothing to copy."""
+        computed again (one copy per further stage); ``closed`` itself when there is nothing to copy.
+        ``origins`` (updated) maps each copied value to the value of the program as written it copies."""
         assert closed.jaxpr is self.jaxpr
         if var not in self.graph.producer:
             return closed
@@ -63,7 +64,7 @@ class Staging:
         cone = _cone(self.jaxpr, self.graph, self.graph.producer[var], self.large) if groups else None
         if cone is None:
             return closed
-        return dce(jx.ClosedJaxpr(_with_copies(self.jaxpr, cone, groups), closed.consts))
+        return dce(jx.ClosedJaxpr(_with_copies(self.jaxpr, cone, groups, origins), closed.consts))
 
 
 class _Stages:
@@ -153,7 +154,7 @@ def _elementwise_of_large(eqn, large: int, share) -> bool:
         isinstance(a, jx.Var) and share(a) > large for a in eqn.invars)
 
 
-def _with_copies(jaxpr: jx.Jaxpr, cone: list[int], groups: list[list[int]]) -> jx.Jaxpr:
+def _with_copies(jaxpr: jx.Jaxpr, cone: list[int], groups: list[list[int]], origins: dict | None = None) -> jx.Jaxpr:
     """``jaxpr`` where each group of readers reads its own fresh copy of the ``cone`` equations'
     results, placed just before the group's first reader."""
     copies_at: dict[int, list] = {}
@@ -165,6 +166,9 @@ def _with_copies(jaxpr: jx.Jaxpr, cone: list[int], groups: list[list[int]]) -> j
             eqn = jaxpr.eqns[j]
             outvars = [v if isinstance(v, jx.DropVar) else jx.Var(v.aval) for v in eqn.outvars]
             rename.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, jx.DropVar))
+            if origins is not None:
+                origins.update((new, origins.get(old, old)) for old, new in zip(eqn.outvars, outvars)
+                               if not isinstance(old, jx.DropVar))
             invars = [rename.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars]
             copies.append(eqn.replace(invars=invars, outvars=outvars))
         rename_of.update((k, rename) for k in group)

@@ -53,6 +53,13 @@ EXCLUSIONS: list[Exclusion] = [
     Exclusion("test_split_softmax_of_squared_logits_rounds_as_chunked_by_hand",
               lambda p, mode: not p.grid and p.has("map:square") and p.has("reduce:softmax_matvec"),
               deviation="README, The split pass, Fused multiply-add"),
+    # algebraic: XLA:CPU keeps a float16 product unrounded inside the fusion of exp(v*v - max) while the
+    # max holds it rounded, so a row whose max rounds down overflows to NaN; the expanded distances differ
+    # from jax.jit's in the last bit, so other rows than jax.jit's own do (s169357533700)
+    Exclusion("test_float16_softmax_of_squared_logits_overflows_in_xla_fusions",
+              lambda p, mode: p.dtype == "float16" and p.has("map:square") and any(
+                  p.has(s) for s in ("reduce:softmax_matvec", "frontier:softmax_minus_col", "post:softmax")),
+              deviation="docs/passes/algebraic.md, float16"),
 ]
 
 

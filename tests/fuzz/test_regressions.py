@@ -689,3 +689,70 @@ def test_split_float32_running_sum_rounds_as_the_same_chunks_by_hand():
 
     assert dw == float(jax.jit(by_hand)(d, ct))
     assert abs(dw - exact) > 5e-5 > abs(float(jax.jit(lambda d, ct: jnp.tensordot(ct, d, 2))(d, ct)) - exact)
+
+
+def test_float16_softmax_of_squared_logits_overflows_in_xla_fusions():
+    """Fresh seed s169357533700, program 1 (float16 ``softmax(D*D, -1) @ w - (D*D)[:, 0]`` of squared
+    distances of a prefix sum; on 4 devices, and on one as here): NaN in rows where ``jax.jit`` has
+    numbers and numbers where it has NaN. The cause is XLA:CPU: in the fusion that computes
+    ``exp(D*D - max)`` it keeps the float16 product unrounded while the row maximum holds it rounded
+    (float16's step is 32 at 34,816), so where the maximum rounds down by more than 11, ``exp``
+    overflows float16 and the row turns NaN. ``jax.jit`` does so by itself (row 21 here: finite when
+    evaluated op by op). The algebraic pass computes the distances by the expansion in float32 and
+    rounds once, so they differ from ``jax.jit``'s in the last bit and other rows cross the line (row
+    22): the program it emits, evaluated op by op, is finite there (documented deviation: docs, the
+    algebraic pass, float16)."""
+    from tests.fuzz import runner
+    from hlopass import internals as jx
+    batch = runner.draw_batch("s169357533700", only=1, devices=4, exclusions=False)
+    fn, _ = runner._combined(batch.programs)
+    v, w, x = batch.programs[0].make_inputs(())
+
+    def inner(d, x):   # the program after its distances, as written
+        f = (d * 1.0) * (d * 1.0)
+        e = jnp.exp(f - lax.stop_gradient(jnp.max(f, 1, keepdims=True)))
+        q = e / jnp.sum(e.astype(jnp.float32), 1, keepdims=True).astype(jnp.float16)
+        return jnp.dot(q, x, preferred_element_type=jnp.float16) - f[:, 0]
+
+    d = jnp.sum(((jnp.cumsum(v, 0)[:, None] - w[None]) ** 2).astype(jnp.float32), -1).astype(jnp.float16)
+    with jax.disable_jit():
+        by_op = np.asarray(inner(d, x), np.float32)
+    fused = np.asarray(jax.jit(inner)(d, x), np.float32)
+    assert np.isfinite(by_op[21]) and np.isnan(fused[21])              # XLA:CPU's own overflow
+
+    ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size, passes="algebraic")
+    traced = ours.trace(v, w, x)
+    assert [r.kind for r in traced.report.rewrites] == ["squared_distance"]
+    rewritten = traced.rewritten_jaxpr
+    emitted = np.asarray(jx.eval_jaxpr(rewritten.jaxpr, rewritten.consts, v, w, x)[0], np.float32)
+    got = np.asarray(jax.tree.leaves(ours(v, w, x))[0], np.float32)
+    assert np.isnan(got[22]) and np.isfinite(emitted[22])              # the same overflow, one row on
+    with jax.disable_jit():
+        written = np.asarray(jax.tree.leaves(fn(v, w, x))[0], np.float32)
+    # op by op, the emitted program overflows where the program as written does (the later rows, where
+    # the prefix sums grow past float16's range) and agrees with it elsewhere
+    np.testing.assert_array_equal(np.isnan(emitted), np.isnan(written))
+    finite = np.isfinite(written)
+    np.testing.assert_allclose(emitted[finite], written[finite], rtol=4e-3, atol=4e-3 * np.abs(written[finite]).max())
+
+
+def test_a_sum_recomputed_for_a_later_stage_rounds_as_its_first_copy():
+    """Fresh seed s1040642467927, program 2 (float32 gradient of ``softmax(sum((x[:,None] + y[None])**4,
+    0), -1)``, split size 1.5 kB): hlopass's gradient was 0.4 % of its scale from the float64 run where
+    jax.jit's is 6e-6. The row sums ``k`` (1.8 kB, over the split size) are read by the softmax's max
+    and, a stage later, by ``k - max``; the split recomputed ``k`` for the second stage in a loop
+    accumulating over the summed axis, while the first loop summed it whole, so ``exp(k - max k)`` at
+    the maximum was ``exp(±1 step of 8,000)`` instead of 1. A value is now recomputed only where every
+    copy's reductions are taken the same way (``plan._copies_round_alike``)."""
+    x, y = normal(41, 3), normal(149, 3)
+
+    def fn(x, y):
+        k = jnp.sum(((x[:, None] + y[None]) ** 2) ** 2, 0)
+        return jnp.exp(k - lax.stop_gradient(jnp.max(k, -1, keepdims=True)))
+
+    loss = lambda x, y: jnp.sum(fn(x, y) * jnp.cos(jnp.arange(447.0)).reshape(149, 3))  # noqa: E731
+    grad = jax.grad(loss, (0, 1))
+    want = jax.jit(grad)(x, y)
+    got = hlopass.jit(grad, threshold=12000, split_size=1500)(x, y)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
