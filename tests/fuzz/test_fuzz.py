@@ -62,6 +62,7 @@ REGRESSION_SEEDS: list[str] = [
     "s526135303789",  # a row of a reversed cumsum narrowed to its own row (test_a_slice_of_a_cumulative_op...)
     "s330764461165",  # a bfloat16 cumlogsumexp's running total carried in bfloat16 (test_split_bfloat16_cumlogsumexp...)
     "s779685538234",  # an expanded sum clamped at zero with tanh terms in it (test_only_the_squares_of_an_expanded...)
+    "s1040642467927",  # a row sum recomputed by loops summing it otherwise (test_a_sum_recomputed_for_a_later...)
 ]
 #: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
 #: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an
@@ -394,7 +395,8 @@ def test_sharded_programs_match_jax_jit(tmp_path):
 #: Soak findings on 4 host devices, each a (seed, program) run in a child: the remat pass measured
 #: explicitly sharded programs without their mesh and raised (it now leaves them as written and says
 #: so), and the hvp pass left an integer index batched by vmap inside its custom rule.
-SHARDED_REGRESSIONS = [("s620735810814", 1), ("s620735810814", 3), ("s213490826529", 0)]
+SHARDED_REGRESSIONS = [("s620735810814", 1), ("s620735810814", 3), ("s213490826529", 0),
+                       ("s169357533700", 1)]  # a float16 softmax of squares (documented; program 1 redrawn)
 
 
 @pytest.mark.parametrize("seed,program", SHARDED_REGRESSIONS)
