@@ -610,6 +610,7 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
         got, want, reports, float_pos, offsets, mode = execute(batch)
     except Exception as err:  # noqa: BLE001 - a crash is a finding
         message = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+        trace = traceback.format_exc(limit=-8)
         if len(batch.programs) == 1 and isinstance(err, ReferenceFailed):
             result["reference_failed"] = [f"{batch.programs[0].label}: {message}"]
             return result
@@ -627,7 +628,7 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
             result.setdefault("reference_failed", []).extend(sub.get("reference_failed", []))
             found |= bool(sub["failures"]) or bool(sub.get("reference_failed"))
         if not found:
-            result["failures"].append(_failure(batch, None, f"batch raised, no program alone does: {message}"))
+            result["failures"].append(_failure(batch, None, f"batch raised, no program alone does: {message}", trace))
         return result
     unguarded = []
     for report in reports:
