@@ -148,7 +148,8 @@ class LoopPlan:
             key = (atom, axis)
             if key not in sliced:
                 value = values[atom]
-                sliced[key] = value if axis is None else lax.dynamic_slice_in_dim(value, start, size, axis, allow_negative_indices=False)
+                sliced[key] = value if axis is None else lax.dynamic_slice_in_dim(
+                    value, start, size, axis, allow_negative_indices=False)   # start is never negative
             return sliced[key]
 
         env: dict = {}
