@@ -39,10 +39,23 @@ from hlopass.report import source_line
 from .cost import TRANSCENDENTAL, Rates, eqn_counts, jaxpr_counts
 from .schedule import Chain
 
+def backward_pass(eqns) -> list[bool]:
+    """Which of ``eqns`` are the backward pass: those JAX's transposition emitted, less those an
+    equation outside it reads, directly or not (a gradient taken inside the forward pass: its
+    transposed equations are forward computation of the outer gradient)."""
+    backward = [is_backward(e) for e in eqns]
+    read_by_forward: set = set()
+    for i in range(len(eqns) - 1, -1, -1):
+        if not backward[i] or any(v in read_by_forward for v in eqns[i].outvars):
+            backward[i] = False
+            read_by_forward.update(_vars(eqns[i].invars))
+    return backward
+
+
 def keeps_residuals(closed) -> bool:
     """Whether some backward equation reads a value an equation outside the backward pass defines."""
     eqns = closed.jaxpr.eqns
-    backward = [is_backward(e) for e in eqns]
+    backward = backward_pass(eqns)
     if not any(backward):
         return False
     forward_values = {v for e, b in zip(eqns, backward) if not b for v in e.outvars}
@@ -135,7 +148,7 @@ def analyse(closed: jx.ClosedJaxpr, machine: Rates, *, max_stages: int = 64) -> 
     it has no backward pass (no equation from JAX's transposition)."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
-    backward = [is_backward(e) for e in eqns]
+    backward = backward_pass(eqns)
     if not any(backward):
         return None
     producer: dict = {}

@@ -94,6 +94,29 @@ def test_grad_of_a_hlopass_function_more(name):
     check_grad_of_hlopass(name)
 
 
+def test_a_gradient_inside_the_forward_pass_is_forward_computation():
+    """Fuzz batch s201549705917: forward equations read what a gradient taken inside the forward pass
+    computed (equations with ``transpose(...)`` in their name stack). Those equations are forward
+    computation of the outer gradient, recomputed with it, not a backward pass to recompute for."""
+    def loss(params, x):
+        inner = jax.grad(lambda z: jnp.sum(jnp.tanh(z) ** 2))(x)
+        h = x * inner
+        for w in params:
+            h = jnp.tanh(h @ w) * inner
+        return jnp.sum(h ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 7)
+    params = [jax.random.normal(k, (32, 32)) / 6 for k in keys[:6]]
+    x = jax.random.normal(keys[6], (256, 32))
+    grad = jax.grad(loss)
+    before = plain(grad, params, x)
+    limit = int(before.footprint - 0.2 * before.temp_bytes)
+    lowered = hlopass.jit(grad, passes="remat", memory_limit=limit, strict=True).trace(params, x).lower()
+    assert_tree_close(lowered.compile()(params, x), jax.jit(grad)(params, x), RTOL32)
+    assert lowered.memory_check.footprint <= limit
+    assert "recompute" in {r.kind for r in remat_report(lowered.report).rewrites}
+
+
 @pytest.mark.slow
 def test_transformer_both_ways():
     check_grad_inside("transformer", layers=3, width=32, batch=256)
