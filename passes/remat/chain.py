@@ -40,15 +40,26 @@ from .cost import TRANSCENDENTAL, Rates, eqn_counts, jaxpr_counts
 from .schedule import Chain
 
 def backward_pass(eqns) -> list[bool]:
-    """Which of ``eqns`` are the backward pass: those JAX's transposition emitted, less those an
-    equation outside it reads, directly or not (a gradient taken inside the forward pass: its
-    transposed equations are forward computation of the outer gradient)."""
+    """Which of ``eqns`` are the backward pass: those JAX's transposition emitted, less a gradient
+    taken inside the forward pass. Such a gradient's equations are named ``transpose(...)`` too, but
+    forward equations read them and feed the backward pass (their own results are residuals): they,
+    and every equation they depend on, are forward computation. What reads the gradients and feeds
+    no backward equation (an optimizer's update) changes nothing."""
     backward = [is_backward(e) for e in eqns]
-    read_by_forward: set = set()
+    defined_backward = {v for e, b in zip(eqns, backward) if b for v in e.outvars}
+    read_by_backward: set = set()
+    forward_readers = []            # forward equations that read a backward value and feed the backward pass
     for i in range(len(eqns) - 1, -1, -1):
-        if not backward[i] or any(v in read_by_forward for v in eqns[i].outvars):
+        eqn = eqns[i]
+        if backward[i] or any(v in read_by_backward for v in eqn.outvars):
+            read_by_backward.update(_vars(eqn.invars))
+            if not backward[i] and any(v in defined_backward for v in _vars(eqn.invars)):
+                forward_readers.append(i)
+    needed = {v for i in forward_readers for v in _vars(eqns[i].invars)}
+    for i in range(max(forward_readers, default=-1), -1, -1):
+        if any(v in needed for v in eqns[i].outvars):
             backward[i] = False
-            read_by_forward.update(_vars(eqns[i].invars))
+            needed.update(_vars(eqns[i].invars))
     return backward
 
 

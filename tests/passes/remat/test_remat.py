@@ -11,6 +11,8 @@ from hlopass import internals as jx
 import hlopass
 from hlopass.checked import _primitive_calls
 from hlopass.memory import measure
+from hlopass.jaxpr_utils import is_backward
+from hlopass.passes.remat.chain import backward_pass
 from hlopass.passes.remat.primal import backward_program
 
 from .models import assert_tree_close, make, plain
@@ -114,6 +116,24 @@ def test_a_gradient_inside_the_forward_pass_is_forward_computation():
     lowered = hlopass.jit(grad, passes="remat", memory_limit=limit, strict=True).trace(params, x).lower()
     assert_tree_close(lowered.compile()(params, x), jax.jit(grad)(params, x), RTOL32)
     assert lowered.memory_check.footprint <= limit
+    assert "recompute" in {r.kind for r in remat_report(lowered.report).rewrites}
+
+
+def test_an_update_reading_the_gradients_keeps_the_backward_pass():
+    """An optimizer's update reads the gradients and feeds no backward equation: the backward pass
+    stays what JAX's transposition emitted, and the step under a limit recomputes as the gradient
+    alone would."""
+    loss, params, x = make("mlp", 6, 32, 256, jnp.float32)
+
+    def step(params, x):
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+
+    eqns = jax.make_jaxpr(step)(params, x).jaxpr.eqns
+    assert backward_pass(eqns) == [is_backward(e) for e in eqns] and any(backward_pass(eqns))
+    before = plain(step, params, x)
+    limit = int(before.footprint - 0.2 * before.temp_bytes)
+    lowered = hlopass.jit(step, passes="remat", memory_limit=limit, strict=True).trace(params, x).lower()
+    assert_tree_close(lowered.compile()(params, x), jax.jit(step)(params, x), RTOL32)
     assert "recompute" in {r.kind for r in remat_report(lowered.report).rewrites}
 
 
