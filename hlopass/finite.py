@@ -9,6 +9,10 @@ answer; otherwise the written program is run as JAX would run it (a branch taken
 non-finite entries are plain JAX's. The check reads only the rewrite's (small) result. The branch is
 emitted only where it costs no memory the rewrite saved (:func:`why_unguarded`); elsewhere an infinity
 may give NaN where plain JAX gives ±Inf, or the other way round.
+
+That holds while every axis has a length. Over an empty axis a sum is an exact zero, and the order
+decides whether a NaN or an infinity is multiplied by it (``NaN·0``: NaN everywhere it spreads) or
+summed away with it (nothing left): :func:`has_empty_axis` operands are left as written.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ from jax import lax
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 from hlopass.sharding import distributed_type, input_shards
 from hlopass.sizes import format_size
+
+
+def has_empty_axis(avals) -> bool:
+    """Whether some of ``avals`` has an axis of length 0: a rewrite that sums over it in another
+    order than written can drop the NaN or infinity that the written program spreads (see above)."""
+    return any(0 in getattr(a, "shape", ()) for a in avals)
 
 
 def finite_or_written(fast: Sequence[Any], written: Callable[..., Sequence[Any]], operands: Sequence[Any]) -> list:

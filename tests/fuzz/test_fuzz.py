@@ -63,6 +63,7 @@ REGRESSION_SEEDS: list[str] = [
     "s330764461165",  # a bfloat16 cumlogsumexp's running total carried in bfloat16 (test_split_bfloat16_cumlogsumexp...)
     "s779685538234",  # an expanded sum clamped at zero with tanh terms in it (test_only_the_squares_of_an_expanded...)
     "s1040642467927",  # a row sum recomputed by loops summing it otherwise (test_a_sum_recomputed_for_a_later...)
+    "s589969938373",  # a NaN contracted away over an empty axis (test_a_nan_times_an_empty_sum_stays_nan)
 ]
 #: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
 #: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an

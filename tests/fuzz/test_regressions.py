@@ -756,3 +756,24 @@ def test_a_sum_recomputed_for_a_later_stage_rounds_as_its_first_copy():
     got = hlopass.jit(grad, threshold=12000, split_size=1500)(x, y)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5 * np.abs(np.asarray(w)).max())
+
+
+@pytest.mark.parametrize("negated", [False, True], ids=["matrix_chain", "algebraic"])
+def test_a_nan_times_an_empty_sum_stays_nan(negated):
+    """Soak seed s589969938373, program 6: ``tensordot(w, x @ y.T, 0)`` with ``x``, ``y`` of 0 columns and
+    a NaN in ``w``. As written, ``x @ y.T`` is zeros and ``NaN * 0`` spreads the NaN to every entry;
+    summed in the other order, ``w @ x`` is empty and the NaN is gone (hlopass gave zeros). The
+    matrix-chain pass reordered the plain chain; the algebraic pass contracted the one written through
+    negations. Chains and expansions with an empty axis are now left as written
+    (``hlopass.finite.has_empty_axis``)."""
+    w = normal(311)
+    w[17] = np.nan
+    x, y = normal(311, 0), normal(309, 0)
+    sign = -1.0 if negated else 1.0
+    fn = lambda w, x, y: jnp.tensordot(sign * w, (sign * x) @ (sign * y).T, axes=(0, 0))  # noqa: E731
+    want = np.asarray(jax.jit(fn)(w, x, y))
+    assert np.isnan(want).all()
+    f = hlopass.jit(fn, threshold=64_000, split_size=16_000)
+    np.testing.assert_array_equal(np.asarray(f(w, x, y)), want)
+    skipped = " ".join(str(s) for s in f.trace(w, x, y).report.skipped)
+    assert "empty axis" in skipped, skipped
