@@ -39,6 +39,7 @@ from hlopass.report import source_line
 from .cost import TRANSCENDENTAL, Rates, eqn_counts, jaxpr_counts
 from .schedule import Chain
 
+
 def backward_pass(eqns) -> list[bool]:
     """Which of ``eqns`` are the backward pass: those JAX's transposition emitted, less a gradient
     taken inside the forward pass. Such a gradient's equations are named ``transpose(...)`` too, but
