@@ -30,6 +30,10 @@ from hlopass.sharding import distributed_type, input_shards
 from hlopass.sizes import format_size
 
 
+#: What a pass's report says of a chain it leaves as written for :func:`has_empty_axis`.
+EMPTY_AXIS = "an operand has an empty axis; left as written, where NaN and infinities spread as written"
+
+
 def has_empty_axis(avals) -> bool:
     """Whether some of ``avals`` has an axis of length 0: a rewrite that sums over it in another
     order than written can drop the NaN or infinity that the written program spreads (see above)."""

@@ -18,7 +18,7 @@ import numpy as np
 from hlopass import internals as jx
 
 from hlopass.families import CHAIN, LAYOUT
-from hlopass.finite import finite_or_written, has_empty_axis, why_unguarded
+from hlopass.finite import EMPTY_AXIS, finite_or_written, has_empty_axis, why_unguarded
 from hlopass.interpreter import written_between
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 from hlopass.report import source_line
@@ -175,8 +175,7 @@ def find_candidate(jaxpr: jx.Jaxpr, index: int, threshold: int | None, report,
         return None
     if has_empty_axis(v.aval for v in expander.sources):
         report.skip(location(jaxpr, index, expander), eqn.primitive.name,
-                    f"the {kind.replace('_', ' ')} reads an operand with an empty axis; left as written, "
-                    f"where NaN and infinities spread as written")
+                    f"the {kind.replace('_', ' ')}: {EMPTY_AXIS}")
         return None
     candidate = Candidate(index, eqn, expander, expansion, labels, removed, kind, written)
     if expansion.exact:

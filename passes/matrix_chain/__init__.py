@@ -34,7 +34,7 @@ import numpy as np
 from hlopass import internals as jx
 
 from hlopass.config import DEFAULT_MIN_GAIN, Config
-from hlopass.finite import SPLITS_REGIONS, finite_or_written, has_empty_axis, why_unguarded
+from hlopass.finite import EMPTY_AXIS, SPLITS_REGIONS, finite_or_written, has_empty_axis, why_unguarded
 from hlopass.graph import DataflowGraph
 from hlopass.interpreter import Replacement, rewrite, written_between
 from hlopass.jaxpr_utils import dce, trace_flat
@@ -90,8 +90,7 @@ class MatrixChainPass(Pass):
                 report.skip(root, "dot_general", f"chain {network.original_expression}: {network.unsupported}")
                 continue
             if has_empty_axis(a.aval for a in network.atoms):
-                report.skip(root, "dot_general", f"chain {network.original_expression}: an operand has an "
-                            f"empty axis; left as written, where NaN and infinities spread as written")
+                report.skip(root, "dot_general", f"chain {network.original_expression}: {EMPTY_AXIS}")
                 continue
             if len(network.operands) > options.max_operands:
                 report.skip(root, "dot_general", f"chain of {len(network.operands)} operands is longer than "
