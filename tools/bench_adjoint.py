@@ -13,7 +13,10 @@ process of its own (``--timeout`` seconds at most):
 - ``plain``: ``jax.jit(jax.grad(loss))`` as written;
 - ``ckpt sqrt(T)``: ``jax.checkpoint`` by hand on blocks of about sqrt(T) steps (a nested scan);
 - ``remat``: ``hlopass.jit`` with ``passes="remat"`` and a memory limit of a tenth of plain's temp;
-- ``adjoint``: ``hlopass.jit`` with ``passes="adjoint"``.
+- ``adjoint``: ``hlopass.jit`` with ``passes="adjoint"``;
+- ``sharded``: the adjoint pass with the time axis split over 4 host devices
+  (``AdjointPass(sequence_axis="x")``, its child started with ``--xla_force_host_platform_device_count=4``):
+  its temp is one device's, to set beside the ``adjoint`` column's.
 
 Each row: XLA temp (``compile().memory_analysis()``), compile seconds, and the call's seconds when it
 runs: a column runs when its temp fits in a third of the machine's memory, or always under the cap
@@ -41,7 +44,8 @@ import time
 
 VOCAB = 64
 SAMPLES = 256
-COLUMNS = ("plain", "ckpt", "remat", "adjoint")
+COLUMNS = ("plain", "ckpt", "remat", "adjoint", "sharded")
+SHARDS = 4
 
 
 def init(key, layers: int, width: int, state: int):
@@ -138,6 +142,10 @@ def build(column: str, T: int, limit: int | None, loop: bool = False):
         return hlopass.jit(grad, passes="remat", memory_limit=limit)
     if column == "adjoint":
         return hlopass.jit(grad, passes="adjoint")
+    if column == "sharded":
+        from hlopass.passes.adjoint import AdjointPass
+        mesh = jax.make_mesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+        return hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
     raise ValueError(column)
 
 
@@ -163,7 +171,7 @@ def child(column: str, T: int, layers: int, width: int, state: int, repeat: int,
     row.update(temp_bytes=temp, temp=format_size(temp), compile_s=round(compile_s, 3))
     if limit is not None:
         row["memory_limit"] = format_size(limit)
-    if column in ("adjoint", "remat"):
+    if column in ("adjoint", "remat", "sharded"):
         row["report"] = [str(r) for r in fn.trace(*args).report.rewrites]
     budget = device_memory_bytes() // 3
     capped = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
@@ -196,15 +204,16 @@ def run(T: int, a, cap: int | None) -> list[dict]:
         if column == "remat":
             plain_temp = rows.get("plain", {}).get("temp_bytes")
             limit = max(plain_temp // 10, 1 << 20) if plain_temp else None
-        runs = not capped or column in ("plain", "adjoint")
+        runs = not capped or column in ("plain", "adjoint", "sharded")
         flags = ["--child", column, "--contexts", str(T), "--layers", str(a.layers), "--width", str(a.width),
                  "--state", str(a.state), "--repeat", str(1 if long else a.repeat)]
         flags += ([] if runs else ["--compile-only"]) + ([] if not long else ["--no-warmup"])
         flags += ["--limit", str(limit)] if column == "remat" and limit else []
         flags += ["--python-loop"] if a.python_loop else []
         started = time.perf_counter()
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={SHARDS}"} if column == "sharded" else None
         result = harness.run_capped(harness.module_argv("bench_adjoint", *flags),
-                                    cap if capped and runs else None, timeout=a.timeout)
+                                    cap if capped and runs else None, timeout=a.timeout, env=env)
         result.setdefault("column", column_name(column, T))
         result.setdefault("context", T)
         result["child_seconds"] = round(time.perf_counter() - started, 1)
@@ -214,7 +223,12 @@ def run(T: int, a, cap: int | None) -> list[dict]:
         print(f"| {T} | {result['column']} | {result.get('status')} | temp {result.get('temp', '-')} | "
               f"compile {result.get('compile_s', '-')} s | {result.get('seconds') or '-'} s | "
               f"{result.get('error', result.get('note', ''))[:80]} |", flush=True)
-    ref = "plain" if rows.get("plain", {}).get("sample") else "ckpt"
+    one, many = rows.get("adjoint", {}), rows.get("sharded", {})
+    if one.get("temp_bytes") and many.get("temp_bytes"):
+        many["temp_vs_adjoint"] = round(many["temp_bytes"] / one["temp_bytes"], 3)
+        if one.get("seconds") and many.get("seconds"):
+            many["seconds_vs_adjoint"] = round(many["seconds"] / one["seconds"], 3)
+    ref = next((c for c in ("plain", "ckpt", "adjoint") if rows.get(c, {}).get("sample")), "plain")
     for column, row in rows.items():
         want = rows.get(ref, {}).get("sample")
         row["max_rel_diff_vs_" + ref] = harness.sample_difference(row.get("sample"), want) if want else None

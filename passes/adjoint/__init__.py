@@ -32,10 +32,13 @@ steps and whose backward pass, chunk by chunk, recomputes the chunk's states,
 solves the adjoint recursion ``mu_{t-1} = A_t^T mu_t + C_t^T g_t`` backwards
 (an associative scan for a diagonal recurrence, sequential for a dense one)
 and takes every step's VJP at once (batched over the chunk). With
-``AdjointPass(sequence_axis="x")`` a diagonal recurrence whose length the
-mesh axis divides runs as a ``shard_map`` (:mod:`.sharded`): each device its
-rows' adjoint scan, one state passed per device boundary each way, one
-``psum`` per parameter. Gradients equal ``jax.grad`` of the program as written
+``AdjointPass(sequence_axis="x")`` a time region whose length the mesh axis
+divides runs as a ``shard_map`` (:mod:`.sharded`): each device its T/D rows,
+K at a time, the devices one after the other (stacked layers make a device's
+incoming states depend on every layer of those before it), one set of states
+passed per device boundary each way; a diagonal recurrence outside any region
+runs on all devices at once (each device's rows from the states 0 and 1,
+then from its incoming state). Gradients equal ``jax.grad`` of the program as written
 up to floating-point reordering. The report (:mod:`.rewrite`) names each
 recurrence (source line), its form, K, what it was chunked with and the
 memory saved. ``AdjointPass(truncate=T)`` (opt-in, never with time regions or

@@ -17,7 +17,7 @@ from hlopass.sizes import format_size
 
 from .chains import find_chains, roll, rolled_scan
 from .emit import adjoint_scan
-from .sharded import context_mesh, mesh_axis_size, sharded_adjoint_scan
+from .sharded import context_mesh, mesh_axis_size, sharded_adjoint_scan, sharded_region
 from .recurrence import Recurrence, body_function, classify
 from .stack import Region, balanced_chunk, chunked_region, find_region, near_divisor
 
@@ -70,6 +70,20 @@ def _not_differentiated(closed: jx.ClosedJaxpr) -> set[int]:
     return out
 
 
+def _sharding(options, length: int, forms) -> tuple:
+    """``(mesh, devices, why_not)`` for sharding ``length`` steps over ``options.sequence_axis``:
+    ``why_not`` is ``None`` when they can be, else the reason (also when no axis is asked for)."""
+    if options.sequence_axis is None:
+        return None, None, "no sequence_axis is set"
+    mesh = options.mesh if options.mesh is not None else context_mesh()
+    devices = mesh_axis_size(mesh, options.sequence_axis)
+    why = ("no mesh with that axis is set" if devices is None else
+           "complex recurrences are not sharded (XLA 0.10's CPU compiler fails on them in a shard_map)"
+           if "complex" in forms else
+           f"{length} steps do not split evenly over {devices} devices" if length % devices else None)
+    return mesh, devices, why
+
+
 def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
     length = eqn.params["length"]
     n_kept = -(-length // k)
@@ -92,10 +106,13 @@ def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
     return summary, details
 
 
-def _describe_region(jaxpr, region: Region, k: int) -> list[tuple[int, str, tuple]]:
-    """One (eqn index, summary, details) per recurrence of ``region`` chunked with ``k`` rows."""
+def _describe_region(jaxpr, region: Region, k: int, steps: int | None = None) -> list[tuple[int, str, tuple]]:
+    """One (eqn index, summary, details) per recurrence of ``region`` chunked with ``k`` rows
+    (``steps``: the rows each device runs, when the time axis is sharded; what is kept is per device)."""
     T = region.length
-    n_kept = -(-T // k)
+    steps = T if steps is None else steps
+    where = " per device" if steps != T else ""
+    n_kept = -(-steps // k)
     kept = n_kept * region.carry_bytes
     plain = T * region.row_bytes
     ours = kept + k * region.row_bytes
@@ -110,7 +127,7 @@ def _describe_region(jaxpr, region: Region, k: int) -> list[tuple[int, str, tupl
                    f"by {solver}, per-step VJPs batched over the chunk) in time chunks of {k} steps together "
                    f"with {others} other recurrence{'s' if others != 1 else ''} and {rows} row-wise equations "
                    f"(layers backpropagated chunk by chunk); keeps the states every {k} steps "
-                   f"({format_size(kept)}) instead of every step's intermediates and T-row values "
+                   f"({format_size(kept)}{where}) instead of every step's intermediates and T-row values "
                    f"(up to {format_size(plain)}): saves up to {format_size(max(plain - ours, 0))}")
         details = (("form", rec.form), ("length", T), ("chunk", k), ("kept_bytes", kept), ("plain_bytes", plain),
                    ("saved_bytes", max(plain - ours, 0)), ("truncate", None), ("stacked", len(region.scans)),
@@ -199,21 +216,33 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                 continue
             found[i] = rec
         in_region: set[int] = set()
-        if options.truncate is None and options.sequence_axis is None:
+        if options.truncate is None:
             for length in sorted({c.jaxpr.eqns[i].params["length"] for i in found}, reverse=True):
                 region = find_region(c.jaxpr, length, {i: r for i, r in found.items()
                                                        if c.jaxpr.eqns[i].params["length"] == length
                                                        and i not in in_region})
                 if region is None or len(region.eqns) < 2 or in_region & set(region.eqns):
                     continue
-                k = balanced_chunk(length, region.carry_bytes, region.row_bytes, memory_limit, options.chunk)
-                build = chunked_region(c.jaxpr, region, k, own_machinery)
+                mesh, devices, why = _sharding(options, region.length, [r.form for r in region.scans.values()])
+                rows = length if why else length // devices
+                k = balanced_chunk(rows, region.carry_bytes, region.row_bytes, memory_limit, options.chunk)
+                build = (chunked_region(c.jaxpr, region, k, own_machinery) if why else
+                         sharded_region(c.jaxpr, region, k, own_machinery, mesh, options.sequence_axis))
                 reps.append(Replacement(list(region.eqns), region.sources + region.invariants,
                                         region.rows_out + region.finals, build,
                                         anchor=min(region.scans)))
                 in_region.update(region.eqns)
-                for i, summary, details in _describe_region(c.jaxpr, region, k):
+                for i, summary, details in _describe_region(c.jaxpr, region, k, rows):
+                    if options.sequence_axis is not None and not why:
+                        summary += (f"; time axis sharded over mesh axis {options.sequence_axis!r} ({devices} "
+                                    f"devices, {rows} steps each, run one device after the other; one set of "
+                                    f"states per device boundary)")
+                        details = details + (("devices", devices),)
                     add(Note(NAME, "adjoint_scan", source_line(c.jaxpr.eqns[i]), summary, "scan", details))
+                if why and options.sequence_axis is not None:
+                    add(Note(NAME, "skip", source_line(c.jaxpr.eqns[min(region.scans)]),
+                             f"not sharded over {options.sequence_axis!r}: {why}; one device's time region "
+                             f"instead", "scan"))
         for i, rec in found.items():
             if i in in_region:
                 continue
@@ -233,14 +262,9 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                                 "%.3g (relative)", site, float(rel))
             fun = None
             if options.sequence_axis is not None:
-                mesh = options.mesh if options.mesh is not None else context_mesh()
-                devices = mesh_axis_size(mesh, options.sequence_axis)
-                why = ("no mesh with that axis is set" if devices is None else
-                       "dense recurrences are not sharded (their per-device map is a matrix)" if rec.form == "dense"
-                       else "complex recurrences are not sharded (XLA 0.10's CPU compiler fails on them in a "
-                       "shard_map)" if rec.form == "complex"
-                       else f"{params['length']} steps do not split evenly over {devices} devices"
-                       if params["length"] % devices else None)
+                mesh, devices, why = _sharding(options, params["length"], [rec.form])
+                why = why or ("dense recurrences are not sharded (their per-device map is a matrix)"
+                              if rec.form == "dense" else None)
                 if why is None:
                     rows = params["length"] // devices
                     k = chunk_length(rows, rec, memory_limit, options.chunk)

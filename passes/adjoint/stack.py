@@ -39,7 +39,7 @@ from jax import lax
 from hlopass import internals as jx
 
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
-from hlopass.interpreter import bind_equation
+from hlopass.interpreter import at_source_of, bind_equation
 from hlopass.jaxpr_utils import aval_nbytes
 
 from .emit import adjoint_scan
@@ -266,83 +266,133 @@ def balanced_chunk(length: int, carry_bytes: int, row_bytes: int, memory_limit: 
     return near_divisor(length, max(1, min(k, length)))
 
 
-def chunked_region(jaxpr: jx.Jaxpr, region: Region, k: int, guard: Callable) -> Callable[..., list]:
-    """``build(*sources, *invariants) -> [*rows_out, *finals]``: the region run ``k`` rows at a time
-    (a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk after it)."""
-    eqns = [jaxpr.eqns[i] for i in region.eqns]
-    T = region.length
-    n, r = divmod(T, k)
-    scan_ids = [i for i in region.eqns if region.kinds[i] == "scan"]
-    acc_ids = [i for i in region.eqns if region.kinds[i] == "acc"]
+class RegionRunner:
+    """The equations of ``region`` run chunk by chunk from given states: what :func:`chunked_region`
+    (one device) and :func:`.sharded.sharded_region` (a device's rows of a sharded time axis) share."""
 
-    def acc_init(v, how):
-        aval = v.aval
-        if how == "add":
-            return jnp.zeros(aval.shape, aval.dtype)
-        big = jnp.inf if jnp.issubdtype(aval.dtype, jnp.inexact) else np.iinfo(aval.dtype).max
-        return jnp.full(aval.shape, -big if how == "max" else big, aval.dtype)
+    def __init__(self, jaxpr: jx.Jaxpr, region: Region, guard: Callable, manual: bool = False):
+        # manual: run inside a shard_map, without the equations' trace-time mesh and global shardings
+        self.jaxpr, self.region, self.guard, self.manual = jaxpr, region, guard, manual
+        self.eqns = [jaxpr.eqns[i] for i in region.eqns]
+        self.scan_ids = [i for i in region.eqns if region.kinds[i] == "scan"]
+        self.acc_ids = [i for i in region.eqns if region.kinds[i] == "acc"]
 
-    def combine(how, a, b):
-        return a + b if how == "add" else (jnp.maximum(a, b) if how == "max" else jnp.minimum(a, b))
-
-    def how_of(eqn):
+    def how(self, i: int) -> str:
+        """How the partial results of accumulator ``i`` combine: ``add``, ``max`` or ``min``."""
+        eqn = self.jaxpr.eqns[i]
         return "add" if eqn.primitive.name == "dot_general" else ACCUMULATE[eqn.primitive.name]
 
-    def run_chunk(invals: dict, states: dict, accs: dict, src_rows: Sequence, rows: int):
+    @staticmethod
+    def combine(how: str, a, b):
+        return a + b if how == "add" else (jnp.maximum(a, b) if how == "max" else jnp.minimum(a, b))
+
+    def initial(self, invals: dict) -> tuple[dict, dict]:
+        """The scans' initial states (read from ``invals``) and the accumulators' identities."""
+        states = {}
+        for i in self.scan_ids:
+            eqn = self.jaxpr.eqns[i]
+            nc, nk = jx.scan_num_consts(eqn.params), jx.scan_num_carry(eqn.params)
+            states[i] = [a.val if isinstance(a, jx.Literal) else invals[a] for a in eqn.invars[nc:nc + nk]]
+        accs = {}
+        for i in self.acc_ids:
+            aval, how = self.jaxpr.eqns[i].outvars[0].aval, self.how(i)
+            if how == "add":
+                accs[i] = jnp.zeros(aval.shape, aval.dtype)
+            else:
+                big = jnp.inf if jnp.issubdtype(aval.dtype, jnp.inexact) else np.iinfo(aval.dtype).max
+                accs[i] = jnp.full(aval.shape, -big if how == "max" else big, aval.dtype)
+        return states, accs
+
+    def finals(self, states: dict, accs: dict) -> list:
+        """The region's final values (``region.finals``) from the last states and accumulators."""
+        out = {}
+        for i in self.scan_ids:
+            out.update(zip(self.jaxpr.eqns[i].outvars[:len(states[i])], states[i]))
+        for i in self.acc_ids:
+            out[self.jaxpr.eqns[i].outvars[0]] = accs[i]
+        return [out[v] for v in self.region.finals]
+
+    def _chunk(self, invals: dict, states: dict, accs: dict, src_rows: Sequence, rows: int):
+        region = self.region
         env = dict(invals)
         env.update(zip(region.sources, src_rows))
         states, accs = dict(states), dict(accs)
 
         def read(a):
             return a.val if isinstance(a, jx.Literal) else env[a]
-        for i, eqn in zip(region.eqns, eqns):
+        for i, eqn in zip(region.eqns, self.eqns):
             vals = [read(a) for a in eqn.invars]
             kind = region.kinds[i]
             if kind == "scan":
                 p = eqn.params
                 nc, nk = jx.scan_num_consts(p), jx.scan_num_carry(p)
-                rec = region.scans[i]
-                fun = adjoint_scan(body_function(p["jaxpr"], nc, nk), nc, nk, rows, rows, rec.form, guard=guard)
+                fun = adjoint_scan(body_function(p["jaxpr"], nc, nk, own_context=not self.manual), nc, nk, rows,
+                                   rows, region.scans[i].form, guard=self.guard)
                 outs = list(fun(*vals[:nc], *states[i], *vals[nc + nk:]))
                 states[i] = outs[:nk]
                 env.update(zip(eqn.outvars[nk:], outs[nk:]))
                 continue
-            outs = bind_equation(eqn, vals, _rows_params(eqn, rows))
+            params = _rows_params(eqn, rows)
+            if self.manual:
+                params = {k: (None if k in ("sharding", "out_sharding") else v)
+                          for k, v in (eqn.params if params is None else params).items()}
+                with at_source_of(eqn):
+                    out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(params))
+                outs = list(out) if eqn.primitive.multiple_results else [out]
+            else:
+                outs = bind_equation(eqn, vals, params)
             if kind == "acc":
-                accs[i] = combine(how_of(eqn), accs[i], outs[0])
+                accs[i] = self.combine(self.how(i), accs[i], outs[0])
             else:
                 env.update(zip(eqn.outvars, outs))
         return states, accs, [env[v] for v in region.rows_out]
 
-    def build(*vals):
-        srcs = list(vals[:len(region.sources)])
-        invals = dict(zip(region.invariants, vals[len(region.sources):]))
-        states0 = {}
-        for i in scan_ids:
-            eqn = jaxpr.eqns[i]
-            nc, nk = jx.scan_num_consts(eqn.params), jx.scan_num_carry(eqn.params)
-            states0[i] = [a.val if isinstance(a, jx.Literal) else invals[a] for a in eqn.invars[nc:nc + nk]]
-        accs0 = {i: acc_init(jaxpr.eqns[i].outvars[0], how_of(jaxpr.eqns[i])) for i in acc_ids}
-        states, accs, pieces = states0, accs0, []
-        if n:
+    @staticmethod
+    def blocks(srcs: Sequence, length: int, k: int) -> tuple[list, list]:
+        """The sources' ``length`` rows as ``k``-row blocks (``[n, k, ...]``) and the rows after them."""
+        n = length // k
+        return ([s[:n * k].reshape((n, k) + s.shape[1:]) for s in srcs] if n else [],
+                [s[n * k:] for s in srcs] if length % k else [])
+
+    def run(self, invals: dict, states: dict, accs: dict, srcs: Sequence, length: int,
+            k: int) -> tuple[dict, dict, list]:
+        """``length`` rows of the sources (``srcs``) run ``k`` rows at a time from ``states`` and
+        ``accs``: a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk
+        after it. Returns the last states, the accumulators and the ``rows_out`` rows."""
+        return self.run_blocks(invals, states, accs, *self.blocks(srcs, length, k))
+
+    def run_blocks(self, invals: dict, states: dict, accs: dict, blocks: Sequence,
+                   tails: Sequence) -> tuple[dict, dict, list]:
+        """:meth:`run` on sources already split by :meth:`blocks`."""
+        pieces = []
+        if blocks:
+            n, k = blocks[0].shape[:2]
+
             @jax.checkpoint
             def body(carry, src_rows):
                 st, ac = carry
-                st, ac, ys = run_chunk(invals, st, ac, src_rows, k)
+                st, ac, ys = self._chunk(invals, st, ac, src_rows, k)
                 return (st, ac), ys
-            blocks = [s[:n * k].reshape((n, k) + s.shape[1:]) for s in srcs]
-            (states, accs), ys = lax.scan(body, (states, accs), blocks, length=n)
+            (states, accs), ys = lax.scan(body, (states, accs), list(blocks), length=n)
             pieces.append([y.reshape((n * k,) + y.shape[2:]) for y in ys])
-        if r:
-            last = jax.checkpoint(lambda st, ac, rows_: run_chunk(invals, st, ac, rows_, r))
-            states, accs, ys = last(states, accs, [s[n * k:] for s in srcs])
+        if tails:
+            r = tails[0].shape[0]
+            last = jax.checkpoint(lambda st, ac, rows_: self._chunk(invals, st, ac, rows_, r))
+            states, accs, ys = last(states, accs, list(tails))
             pieces.append(list(ys))
         rows_out = [t[0] if len(t) == 1 else jnp.concatenate(t, 0) for t in zip(*pieces)]
-        finals = {}
-        for i in scan_ids:
-            eqn = jaxpr.eqns[i]
-            finals.update(zip(eqn.outvars[:len(states[i])], states[i]))
-        for i in acc_ids:
-            finals[jaxpr.eqns[i].outvars[0]] = accs[i]
-        return rows_out + [finals[v] for v in region.finals]
+        return states, accs, rows_out
+
+
+def chunked_region(jaxpr: jx.Jaxpr, region: Region, k: int, guard: Callable) -> Callable[..., list]:
+    """``build(*sources, *invariants) -> [*rows_out, *finals]``: the region run ``k`` rows at a time
+    (a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk after it)."""
+    runner = RegionRunner(jaxpr, region, guard)
+
+    def build(*vals):
+        srcs = list(vals[:len(region.sources)])
+        invals = dict(zip(region.invariants, vals[len(region.sources):]))
+        states, accs = runner.initial(invals)
+        states, accs, rows_out = runner.run(invals, states, accs, srcs, region.length, k)
+        return rows_out + runner.finals(states, accs)
     return build

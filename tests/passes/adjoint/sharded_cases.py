@@ -59,6 +59,49 @@ def lm_case() -> dict:
     return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
 
 
+def rows_after_loss(params, h0s, xs):
+    """Stacked layers whose rows are also read after the region (a cumulative sum over time mixes
+    rows), with a maximum over time, final states and the sum ending the region."""
+    ys, total = xs, 0.0
+    for p, h0 in zip(params, h0s):
+        h, ys = models.diagonal(p, h0, ys)
+        ys = jnp.tanh(ys) + xs
+        total = total + jnp.sum(h)
+    return jnp.sum(jnp.cumsum(ys, 0)[::7] ** 2) + jnp.max(ys) + 0.1 * total + jnp.mean(ys ** 2)
+
+
+def stacked_case(loss, T: int) -> dict:
+    """Three stacked diagonal layers (float64), time axis over 4 devices: gradients of every input."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.enable_x64(True):
+        k = jax.random.split(jax.random.key(2), 10)
+        P_, N = 5, 3
+        params = [tuple(0.3 * jax.random.normal(k[3 * i + j], (P_, N), "float64") for j in range(3))
+                  for i in range(3)]
+        h0s = [0.1 * jax.random.normal(k[9], (N, P_), "float64") for _ in range(3)]
+        xs = jax.random.normal(k[0], (T, P_), "float64")
+        grad = jax.grad(loss, (0, 1, 2))
+        want = jax.jit(grad)(params, h0s, xs)
+        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
+        got = f(params, h0s, xs)
+        rewrites, skips = _report(f, params, h0s, xs)
+    return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
+
+
+def lm_memory_case(T: int = 8192) -> dict:
+    """The benchmark's language model (4 layers, width 256, state 16): per-device temp, compiled only."""
+    from tools.bench_adjoint import init, make_loss
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, emb = init(jax.random.key(0), 4, 256, 16)
+    tokens = jax.random.randint(jax.random.key(1), (T + 1,), 0, 64)
+    grad = jax.grad(make_loss(), (0, 1))
+    row = {}
+    for name, fn in (("one_device", hlopass.jit(grad, passes="adjoint")),
+                     ("sharded", hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)]))):
+        row[f"temp_{name}"] = int(fn.lower(params, emb, tokens).compile().memory_analysis().temp_size_in_bytes)
+    return row
+
+
 def memory_case(T: int = 8192, repeat: int = 2) -> dict:
     """One wide diagonal layer: per-device temp and time, sharded over 4 devices vs one device."""
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -97,6 +140,9 @@ CASES = {
     "indivisible": lambda: layer_case("diagonal", 30, "float32"),
     "lm_f64": lm_case,
     "memory": memory_case,
+    "stacked_f64": lambda: stacked_case(models.stacked_loss, 92),
+    "rows_after_f64": lambda: stacked_case(rows_after_loss, 60),
+    "lm_memory": lm_memory_case,
 }
 
 if __name__ == "__main__":
