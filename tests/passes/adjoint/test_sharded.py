@@ -64,3 +64,11 @@ def test_per_device_memory_of_stacked_layers():
     """The benchmark's 4-layer language model at 8192 tokens: the whole stack is one region per device."""
     row = rows()["lm_memory"]
     assert row["temp_sharded"] <= 0.55 * row["temp_one_device"], row
+
+
+def test_bad_sequence_axis_is_config_error():
+    for bad in ("", 3):
+        with pytest.raises(hlopass.ConfigError, match="sequence_axis="):
+            AdjointPass(sequence_axis=bad)
+    with pytest.raises(hlopass.ConfigError, match="cannot be combined"):
+        AdjointPass(sequence_axis="x", truncate=4)
