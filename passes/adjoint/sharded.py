@@ -164,7 +164,8 @@ def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) 
         def local(start, diff, fixed):
             vals = every(diff, fixed)
             invals = dict(zip(region.invariants, vals[nb + nt:]))
-            return runner.run_blocks(invals, start, runner.initial(invals)[1], vals[:nb], vals[nb:nb + nt])
+            return runner.run_blocks(invals, start, runner.initial(invals)[1], vals[:nb], vals[nb:nb + nt],
+                                     rows, chunk)
 
         def primal(start, diff, fixed):
             shapes = jax.eval_shape(local, start, diff, fixed)

@@ -359,15 +359,15 @@ class RegionRunner:
         """``length`` rows of the sources (``srcs``) run ``k`` rows at a time from ``states`` and
         ``accs``: a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk
         after it. Returns the last states, the accumulators and the ``rows_out`` rows."""
-        return self.run_blocks(invals, states, accs, *self.blocks(srcs, length, k))
+        return self.run_blocks(invals, states, accs, *self.blocks(srcs, length, k), length, k)
 
-    def run_blocks(self, invals: dict, states: dict, accs: dict, blocks: Sequence,
-                   tails: Sequence) -> tuple[dict, dict, list]:
-        """:meth:`run` on sources already split by :meth:`blocks`."""
+    def run_blocks(self, invals: dict, states: dict, accs: dict, blocks: Sequence, tails: Sequence,
+                   length: int, k: int) -> tuple[dict, dict, list]:
+        """:meth:`run` on sources already split by :meth:`blocks` (a region may have none: a
+        recurrence with no inputs per step)."""
+        n, r = divmod(length, k)
         pieces = []
-        if blocks:
-            n, k = blocks[0].shape[:2]
-
+        if n:
             @jax.checkpoint
             def body(carry, src_rows):
                 st, ac = carry
@@ -375,8 +375,7 @@ class RegionRunner:
                 return (st, ac), ys
             (states, accs), ys = lax.scan(body, (states, accs), list(blocks), length=n)
             pieces.append([y.reshape((n * k,) + y.shape[2:]) for y in ys])
-        if tails:
-            r = tails[0].shape[0]
+        if r:
             last = jax.checkpoint(lambda st, ac, rows_: self._chunk(invals, st, ac, rows_, r))
             states, accs, ys = last(states, accs, list(tails))
             pieces.append(list(ys))

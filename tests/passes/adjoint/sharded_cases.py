@@ -88,6 +88,23 @@ def stacked_case(loss, T: int) -> dict:
     return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
 
 
+def no_inputs_case(T: int = 36) -> dict:
+    """A recurrence that reads nothing per step: a region with no sources, its rows made per device."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def loss(a, b, h0, w):
+        h, ys = jax.lax.scan(lambda h, _: (a * h + b, h), h0, None, length=T)
+        return jnp.sum((jnp.tanh(ys) * w) ** 2) + jnp.sum(h)
+    with jax.enable_x64(True):
+        args = (jnp.full(5, 0.9), jnp.linspace(0, 1, 5), jnp.ones(5), jnp.arange(5.0))
+        grad = jax.grad(loss, (0, 1, 2, 3))
+        want = jax.jit(grad)(*args)
+        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
+        got = f(*args)
+        rewrites, skips = _report(f, *args)
+    return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
+
+
 def lm_memory_case(T: int = 8192) -> dict:
     """The benchmark's language model (4 layers, width 256, state 16): per-device temp, compiled only."""
     from tools.bench_adjoint import init, make_loss
@@ -143,6 +160,7 @@ CASES = {
     "stacked_f64": lambda: stacked_case(models.stacked_loss, 92),
     "rows_after_f64": lambda: stacked_case(rows_after_loss, 60),
     "lm_memory": lm_memory_case,
+    "no_inputs_f64": no_inputs_case,
 }
 
 if __name__ == "__main__":
