@@ -50,6 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .emit import adjoint_scan
+from .stack import RegionRunner
 
 
 def mesh_axis_size(mesh, axis: str) -> int | None:
@@ -142,8 +143,6 @@ def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) 
     over the devices (the ``shard_map``'s transpose); the accumulators' partial results (a loss's
     sum over time) are gathered and combined once.
     """
-    from .stack import RegionRunner     # .stack imports .emit, as this module does; imported late
-
     devices = mesh_axis_size(mesh, axis)
     rows = region.length // devices
     runner = RegionRunner(jaxpr, region, guard, manual=True)
