@@ -284,6 +284,7 @@ class RegionRunner:
 
     @staticmethod
     def combine(how: str, a, b):
+        """Two partial results of an accumulator combined as ``how`` says."""
         return a + b if how == "add" else (jnp.maximum(a, b) if how == "max" else jnp.minimum(a, b))
 
     def initial(self, invals: dict) -> tuple[dict, dict]:
