@@ -270,7 +270,8 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                     k = chunk_length(rows, rec, memory_limit, options.chunk)
                     fun = sharded_adjoint_scan(body_function(params["jaxpr"], nc, nk, own_context=False), nc, nk,
                                                len(eqn.invars) - nc - nk, params["length"], k, rec.form, mesh,
-                                               options.sequence_axis, own_machinery)
+                                               options.sequence_axis, own_machinery,
+                                               [v.aval for v in eqn.outvars])
                     summary, details = _describe(eqn, rec, k, options)
                     summary += (f"; time axis sharded over mesh axis {options.sequence_axis!r} ({devices} devices, "
                                 f"{rows} steps each; one state per device boundary, parameter cotangents summed "

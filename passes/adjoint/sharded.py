@@ -84,14 +84,27 @@ def _stages(order: Sequence[int], me, axis: str, work: Callable, passed, kept):
     return passed, kept
 
 
+def _explicit(mesh, axis: str) -> bool:
+    """Whether ``axis`` of ``mesh`` is an ``Explicit`` one (values carry their sharding in their type)."""
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    return types.get(axis) == jax.sharding.AxisType.Explicit
+
+
+def _retyped(value, aval):
+    """``value`` resharded to the sharding ``aval``'s type carries (replicated when it carries none)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return jax.sharding.reshard(value, P() if spec is None else spec)
+
+
 def _zeros(shapes):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def sharded_adjoint_scan(step: Callable, num_consts: int, num_carry: int, num_xs: int, length: int, chunk: int,
-                         form: str, mesh, axis: str, guard: Callable) -> Callable:
+                         form: str, mesh, axis: str, guard: Callable, out_avals: Sequence = ()) -> Callable:
     """``f(*consts, *init, *xs) -> (*carry, *ys)``: the scan of ``step`` with its time axis split over
-    ``axis`` of ``mesh`` (see the module docstring); ``chunk`` is K within a device's rows."""
+    ``axis`` of ``mesh`` (see the module docstring); ``chunk`` is K within a device's rows. Under an
+    ``Explicit`` axis the results are given the types of ``out_avals`` (the scan's outputs)."""
     nc, nk = num_consts, num_carry
     devices = mesh_axis_size(mesh, axis)
     rows = length // devices
@@ -124,6 +137,10 @@ def sharded_adjoint_scan(step: Callable, num_consts: int, num_carry: int, num_xs
         out_specs = (P(),) * nk + (P(axis),) * len(out_avals[1])
         # the body is the user's jaxpr bound as written (no per-value axis types): unchecked, and the
         # cotangents of the replicated inputs (parameters, initial state) are summed over the axis
+        if _explicit(mesh, axis):   # as in sharded_region
+            args = [jax.sharding.reshard(a, spec) for a, spec in zip(args, in_specs)]
+            outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+            return tuple(_retyped(o, a) for o, a in zip(outs, out_avals)) + tuple(outs[len(out_avals):])
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
     return f
 
@@ -232,6 +249,9 @@ def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) 
     def build(*vals):
         in_specs = (P(axis),) * ns + (P(),) * len(region.invariants)
         out_specs = (P(axis),) * len(region.rows_out) + (P(),) * len(region.finals)
-        return list(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                  check_vma=False)(*vals))
+        explicit = _explicit(mesh, axis)
+        if explicit:   # values typed with their shardings enter as the specs say, and leave as they were
+            vals = [jax.sharding.reshard(v, spec) for v, spec in zip(vals, in_specs)]
+        outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*vals)
+        return [_retyped(o, v.aval) if explicit else o for o, v in zip(outs, region.rows_out + region.finals)]
     return build

@@ -105,6 +105,27 @@ def no_inputs_case(T: int = 36) -> dict:
     return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
 
 
+def explicit_case(T: int = 36) -> dict:
+    """Under an ``Explicit`` mesh (``jax.set_mesh``): a region (stacked layers) and a scan alone (its
+    rows read by a cumulative sum, which needs them unsharded along time, as they were)."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def lone(params, h0, xs):
+        h, ys = models.diagonal(params, h0, xs)
+        return jnp.sum(jnp.cumsum(ys, 0) ** 2) + jnp.sum(h)
+    errors, rewrites = [], []
+    with jax.enable_x64(True), jax.set_mesh(mesh):
+        k = jax.random.split(jax.random.key(3), 4)
+        params = tuple(0.3 * jax.random.normal(k[j], (5, 3), "float64") for j in range(3))
+        h0, xs = 0.1 * jax.random.normal(k[3], (3, 5), "float64"), jax.random.normal(k[0], (T, 5), "float64")
+        for loss, args in ((lone, (params, h0, xs)), (models.stacked_loss, ([params] * 2, [h0] * 2, xs))):
+            grad = jax.grad(loss, (0, 1, 2))
+            f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x")])
+            errors.append(_rel(f(*args), jax.jit(grad)(*args)))
+            rewrites += _report(f, *args)[0]
+    return dict(error=max(errors), rewrites=rewrites, skips=[])
+
+
 def lm_memory_case(T: int = 8192) -> dict:
     """The benchmark's language model (4 layers, width 256, state 16): per-device temp, compiled only."""
     from tools.bench_adjoint import init, make_loss
@@ -161,6 +182,7 @@ CASES = {
     "rows_after_f64": lambda: stacked_case(rows_after_loss, 60),
     "lm_memory": lm_memory_case,
     "no_inputs_f64": no_inputs_case,
+    "explicit_f64": explicit_case,
 }
 
 if __name__ == "__main__":
