@@ -777,3 +777,36 @@ def test_a_nan_times_an_empty_sum_stays_nan(negated):
     np.testing.assert_array_equal(np.asarray(f(w, x, y)), want)
     skipped = " ".join(str(s) for s in f.trace(w, x, y).report.skipped)
     assert "empty axis" in skipped, skipped
+
+
+def test_an_expanded_gradient_through_a_tie_rounds_where_the_written_one_is_zero():
+    """Fresh seed s664863178853, program 2 (float32, points on the integer grid; the gradient of a
+    linear functional of ``zeros(8, m).at[idx].min(D)``, ``D`` the squared distances): ``jax.jit``'s
+    gradients are exactly zero, hlopass's are ±4.8e-7. The cotangent reaches ``D`` only where the
+    minimum ties with the zero it starts from, ``D == 0``, so where ``x_i == y_j``: as written,
+    ``Σ_j c_ij·2(x_i − y_j)`` sums exact zeros; the algebraic pass's expanded gradient
+    ``2(x_i·Σ_j c_ij − Σ_j c_ij·y_j)`` sums the same products in another order and rounds, by about
+    eps·|x|·Σ|c|. Plain JAX written that way by hand does the same (documented deviation: floating-point
+    reordering; the pass's page, *The rules for the expanded distance*)."""
+    from tests.fuzz import runner
+    batch = runner.draw_batch("s664863178853", only=2)
+    fn, _ = runner._combined(batch.programs)
+    x, y, idx = batch.programs[0].make_inputs(())
+    d = jnp.sum((x[:, None] - y[None]) ** 2, -1)
+    weights = jnp.cos(jnp.arange(8 * y.shape[0], dtype=jnp.float32)).reshape(8, -1)[idx]
+    c = jnp.where(d == 0, weights, 0.0)                       # nonzero only at the ties
+    assert int(jnp.sum(c != 0)) > 0
+    written = jnp.einsum("ij,ijk->ik", c, 2 * (x[:, None] - y[None]))
+    by_hand = jax.jit(lambda x, y, c: 2 * (x * jnp.sum(c, 1)[:, None] - c @ y))(x, y, c)
+    sums = max(float(jnp.max(jnp.sum(jnp.abs(c), axis))) for axis in (0, 1))   # rows for x's, columns for y's
+    bound = 8 * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(x))) * sums
+    assert float(jnp.max(jnp.abs(written))) == 0.0
+    assert 0.0 < float(jnp.max(jnp.abs(by_hand))) <= bound
+
+    plain = jax.tree.leaves(jax.jit(fn)(x, y, idx))
+    ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size)
+    got = jax.tree.leaves(ours(x, y, idx))
+    assert "expanded_product" in [r.kind for r in ours.trace(x, y, idx).report.rewrites]
+    for p, g in zip(plain[1:], got[1:]):                     # the gradients of x and y
+        assert float(jnp.max(jnp.abs(p))) == 0.0
+        assert float(jnp.max(jnp.abs(g))) <= bound
