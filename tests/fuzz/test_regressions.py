@@ -719,31 +719,22 @@ def test_split_float32_running_sum_rounds_as_the_same_chunks_by_hand():
 def test_float16_softmax_of_squared_logits_overflows_in_xla_fusions():
     """Fresh seed s169357533700, program 1 (float16 ``softmax(D*D, -1) @ w - (D*D)[:, 0]`` of squared
     distances of a prefix sum; on 4 devices, and on one as here): NaN in rows where ``jax.jit`` has
-    numbers and numbers where it has NaN. The cause is XLA:CPU: in the fusion that computes
-    ``exp(D*D - max)`` it keeps the float16 product unrounded while the row maximum holds it rounded
-    (float16's step is 32 at 34,816), so where the maximum rounds down by more than 11, ``exp``
-    overflows float16 and the row turns NaN. ``jax.jit`` does so by itself (row 21 here: finite when
-    evaluated op by op). The algebraic pass computes the distances by the expansion in float32 and
-    rounds once, so they differ from ``jax.jit``'s in the last bit and other rows cross the line (row
-    22): the program it emits, evaluated op by op, is finite there (documented deviation: docs, the
-    algebraic pass, float16)."""
+    numbers and numbers where it has NaN, on the machine of round 12. The cause is XLA:CPU: in the
+    fusion that computes ``exp(D*D - max)`` it kept the float16 product unrounded while the row maximum
+    held it rounded (float16's step is 32 at 34,816), so where the maximum rounded down by more than 11,
+    ``exp`` overflowed float16 and the row turned NaN: ``jax.jit`` did so by itself (its row 21, finite
+    op by op). The algebraic pass computes the distances by the expansion in float32 and rounds once, so
+    they differ from ``jax.jit``'s in the last bit and other rows crossed the line (row 22). How XLA:CPU
+    fuses depends on the machine (on round 14's, ``jax.jit`` and hlopass have NaN in the same rows), so
+    what is checked holds on any: the program hlopass emits, evaluated op by op, overflows exactly where
+    the program as written does, and every row where hlopass's compiled result and ``jax.jit``'s differ
+    in NaN is one where a compiled program differs from its own op-by-op evaluation (documented
+    deviation: docs, the algebraic pass, float16)."""
     from tests.fuzz import runner
     from hlopass import internals as jx
     batch = runner.draw_batch("s169357533700", only=1, devices=4, exclusions=False)
     fn, _ = runner._combined(batch.programs)
     v, w, x = batch.programs[0].make_inputs(())
-
-    def inner(d, x):   # the program after its distances, as written
-        f = (d * 1.0) * (d * 1.0)
-        e = jnp.exp(f - lax.stop_gradient(jnp.max(f, 1, keepdims=True)))
-        q = e / jnp.sum(e.astype(jnp.float32), 1, keepdims=True).astype(jnp.float16)
-        return jnp.dot(q, x, preferred_element_type=jnp.float16) - f[:, 0]
-
-    d = jnp.sum(((jnp.cumsum(v, 0)[:, None] - w[None]) ** 2).astype(jnp.float32), -1).astype(jnp.float16)
-    with jax.disable_jit():
-        by_op = np.asarray(inner(d, x), np.float32)
-    fused = np.asarray(jax.jit(inner)(d, x), np.float32)
-    assert np.isfinite(by_op[21]) and np.isnan(fused[21])              # XLA:CPU's own overflow
 
     ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size, passes="algebraic")
     traced = ours.trace(v, w, x)
@@ -751,14 +742,19 @@ def test_float16_softmax_of_squared_logits_overflows_in_xla_fusions():
     rewritten = traced.rewritten_jaxpr
     emitted = np.asarray(jx.eval_jaxpr(rewritten.jaxpr, rewritten.consts, v, w, x)[0], np.float32)
     got = np.asarray(jax.tree.leaves(ours(v, w, x))[0], np.float32)
-    assert np.isnan(got[22]) and np.isfinite(emitted[22])              # the same overflow, one row on
+    plain = np.asarray(jax.tree.leaves(jax.jit(fn)(v, w, x))[0], np.float32)
     with jax.disable_jit():
         written = np.asarray(jax.tree.leaves(fn(v, w, x))[0], np.float32)
     # op by op, the emitted program overflows where the program as written does (the later rows, where
     # the prefix sums grow past float16's range) and agrees with it elsewhere
+    assert np.isnan(written).any()
     np.testing.assert_array_equal(np.isnan(emitted), np.isnan(written))
     finite = np.isfinite(written)
     np.testing.assert_allclose(emitted[finite], written[finite], rtol=4e-3, atol=4e-3 * np.abs(written[finite]).max())
+    # compiled, they differ only where XLA's fusion differs from the op-by-op evaluation
+    disagree = np.isnan(got) != np.isnan(plain)
+    by_fusion = (np.isnan(plain) != np.isnan(written)) | (np.isnan(got) != np.isnan(emitted))
+    assert not np.any(disagree & ~by_fusion)
 
 
 def test_a_sum_recomputed_for_a_later_stage_rounds_as_its_first_copy():
