@@ -97,6 +97,15 @@ def gated(params, h0, xs):
     return _scan(body, h0, xs)
 
 
+def free_running(T):
+    """The loss of a recurrence that reads nothing per step (``lax.scan(f, h, None, length=T)``):
+    ``(a, b, h0, w) -> scalar``, and arguments for it (float64 under ``jax.enable_x64``)."""
+    def loss(a, b, h0, w):
+        h, ys = lax.scan(lambda h, _: (a * h + b, h), h0, None, length=T)
+        return jnp.sum((jnp.tanh(ys) * w) ** 2) + jnp.sum(h)
+    return loss, (jnp.full(5, 0.9), jnp.linspace(0, 1, 5), jnp.ones(5), jnp.arange(5.0))
+
+
 def loss_of(layer):
     def loss(params, h0, xs):
         h, ys = layer(params, h0, xs)

@@ -91,12 +91,8 @@ def stacked_case(loss, T: int) -> dict:
 def no_inputs_case(T: int = 36) -> dict:
     """A recurrence that reads nothing per step: a region with no sources, its rows made per device."""
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-
-    def loss(a, b, h0, w):
-        h, ys = jax.lax.scan(lambda h, _: (a * h + b, h), h0, None, length=T)
-        return jnp.sum((jnp.tanh(ys) * w) ** 2) + jnp.sum(h)
     with jax.enable_x64(True):
-        args = (jnp.full(5, 0.9), jnp.linspace(0, 1, 5), jnp.ones(5), jnp.arange(5.0))
+        loss, args = models.free_running(T)
         grad = jax.grad(loss, (0, 1, 2, 3))
         want = jax.jit(grad)(*args)
         f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])

@@ -124,11 +124,8 @@ def test_rows_read_after_the_region(T):
 def test_a_recurrence_with_no_inputs_per_step(T):
     """A region whose recurrence reads nothing per step (``lax.scan(f, h, None, length=T)``) has no
     sources: its chunks are counted from T, not from the sources' blocks."""
-    def loss(a, b, h0, w):
-        h, ys = jax.lax.scan(lambda h, _: (a * h + b, h), h0, None, length=T)
-        return jnp.sum((jnp.tanh(ys) * w) ** 2) + jnp.sum(h)
     with jax.enable_x64(True):
-        args = (jnp.full(5, 0.9), jnp.linspace(0, 1, 5), jnp.ones(5), jnp.arange(5.0))
+        loss, args = models.free_running(T)
         grad = jax.grad(loss, (0, 1, 2, 3))
         f = hlopass.jit(grad, passes=[AdjointPass(chunk=8)])
         _close(f(*args), jax.jit(grad)(*args), "float64")
