@@ -49,6 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from hlopass.sharding import conform
+
 from .emit import adjoint_scan
 from .stack import RegionRunner
 
@@ -88,12 +90,6 @@ def _explicit(mesh, axis: str) -> bool:
     """Whether ``axis`` of ``mesh`` is an ``Explicit`` one (values carry their sharding in their type)."""
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     return types.get(axis) == jax.sharding.AxisType.Explicit
-
-
-def _retyped(value, aval):
-    """``value`` resharded to the sharding ``aval``'s type carries (replicated when it carries none)."""
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    return jax.sharding.reshard(value, P() if spec is None else spec)
 
 
 def _zeros(shapes):
@@ -140,7 +136,7 @@ def sharded_adjoint_scan(step: Callable, num_consts: int, num_carry: int, num_xs
         if _explicit(mesh, axis):   # as in sharded_region
             args = [jax.sharding.reshard(a, spec) for a, spec in zip(args, in_specs)]
             outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
-            return tuple(_retyped(o, a) for o, a in zip(outs, out_avals)) + tuple(outs[len(out_avals):])
+            return tuple(conform(o, a) for o, a in zip(outs, out_avals)) + tuple(outs[len(out_avals):])
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
     return f
 
@@ -253,5 +249,5 @@ def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) 
         if explicit:   # values typed with their shardings enter as the specs say, and leave as they were
             vals = [jax.sharding.reshard(v, spec) for v, spec in zip(vals, in_specs)]
         outs = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*vals)
-        return [_retyped(o, v.aval) if explicit else o for o, v in zip(outs, region.rows_out + region.finals)]
+        return [conform(o, v.aval) if explicit else o for o, v in zip(outs, region.rows_out + region.finals)]
     return build

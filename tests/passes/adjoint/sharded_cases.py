@@ -70,8 +70,9 @@ def rows_after_loss(params, h0s, xs):
     return jnp.sum(jnp.cumsum(ys, 0)[::7] ** 2) + jnp.max(ys) + 0.1 * total + jnp.mean(ys ** 2)
 
 
-def stacked_case(loss, T: int) -> dict:
-    """Three stacked diagonal layers (float64), time axis over 4 devices: gradients of every input."""
+def stacked_case(loss, T: int, chunk: int | None = None) -> dict:
+    """Three stacked diagonal layers (float64), time axis over 4 devices: gradients of every input
+    (``chunk``: K within a device's rows, a last partial chunk where it does not divide them)."""
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.enable_x64(True):
         k = jax.random.split(jax.random.key(2), 10)
@@ -82,7 +83,7 @@ def stacked_case(loss, T: int) -> dict:
         xs = jax.random.normal(k[0], (T, P_), "float64")
         grad = jax.grad(loss, (0, 1, 2))
         want = jax.jit(grad)(params, h0s, xs)
-        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
+        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh, chunk=chunk)])
         got = f(params, h0s, xs)
         rewrites, skips = _report(f, params, h0s, xs)
     return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
@@ -176,6 +177,7 @@ CASES = {
     "memory": memory_case,
     "stacked_f64": lambda: stacked_case(models.stacked_loss, 92),
     "rows_after_f64": lambda: stacked_case(rows_after_loss, 60),
+    "tail_f64": lambda: stacked_case(rows_after_loss, 44, chunk=4),   # 11 rows per device: 4 + 4 + 3
     "lm_memory": lm_memory_case,
     "no_inputs_f64": no_inputs_case,
     "explicit_f64": explicit_case,

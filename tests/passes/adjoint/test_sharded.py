@@ -35,7 +35,8 @@ def rows() -> dict:
 
 @pytest.mark.parametrize("case,tol", [("diagonal_f32", 2e-5), ("diagonal_f64", 1e-12), ("lm_f64", 1e-12),
                                       ("dense_f32", 2e-5), ("stacked_f64", 1e-12), ("rows_after_f64", 1e-12),
-                                      ("no_inputs_f64", 1e-12), ("explicit_f64", 1e-12)])
+                                      ("no_inputs_f64", 1e-12), ("explicit_f64", 1e-12),
+                                      ("tail_f64", 1e-12)])
 def test_sharded_gradient_equals_jax_grad(case, tol):
     row = rows()[case]
     assert row["error"] < tol, row
