@@ -23,7 +23,7 @@ from .emit import LoopPlan
 from .fuse import fuse_shard_maps
 from .narrow import narrow_slices
 from .options import SplitOptions
-from .plan import eqn_key, harmonise_chunks, has_large_max, plan_round, recompute_where_it_helps
+from .plan import eqn_key, harmonise_chunks, has_large_max, plan_round, recompute_where_it_helps, record_dot_axes
 from .region import seeds
 from .report import error_text, first_location, report_skip, report_split, tag_inside
 
@@ -117,11 +117,13 @@ def split_level(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
     current = narrowed
     broken: set = set()
     chunks_of_dots: dict = {}   # the chunk of each product recomputed in a loop (harmonise_chunks)
+    dot_axes: dict = {}         # the axis each product is cut along (plan_round)
     staging_tries = 2  # looking for two-pass values costs re-planning: twice per level at most
     for _ in range(options.max_rounds):
         jaxpr = current.jaxpr
         graph = DataflowGraph(jaxpr)
-        plans, failures = plan_round(jaxpr, graph, config, report, options, broken, split_level=split_level)
+        plans, failures = plan_round(jaxpr, graph, config, report, options, broken, split_level=split_level,
+                                     dot_axes=dot_axes)
         nested = any(p.candidate.nested for p in plans) and has_large_max(jaxpr, config.split_size)
         if (failures or nested) and staging_tries:  # a shared large value may need two passes: a copy per stage
             staging_tries -= 1
@@ -133,6 +135,7 @@ def split_level(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
                 report_skip(report, jaxpr, seed, index, reason)
             break
         harmonise_chunks(jaxpr, plans, chunks_of_dots)
+        record_dot_axes(jaxpr, plans, dot_axes)
         built = _rewrite_isolating_failures(current, jaxpr, plans, report, broken)
         if built is None:
             break

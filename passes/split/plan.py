@@ -59,9 +59,15 @@ class Candidate:
 
 
 def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitOptions, broken: set = frozenset(),
-               *, split_level: SplitLevel):
+               *, split_level: SplitLevel, dot_axes: dict | None = None):
     """Plan a loop for every region of this round: ``(plans, failures)``, regions that overlap one
-    planned this round left to the next. ``split_level`` splits a nested step's program (the driver's)."""
+    planned this round left to the next. ``split_level`` splits a nested step's program (the driver's).
+
+    A region that recomputes a ``dot_general`` another loop computes (this round, or an earlier one
+    recorded in ``dot_axes``, see :func:`record_dot_axes`) is cut along the same axis of the product
+    where it can be: XLA:CPU's dot rounds differently for differently shaped pieces.
+    """
+    axes = dict(dot_axes or {})
     plans: list[LoopPlan] = []
     failures: list[tuple[int, int, str]] = []  # (seed, blocking equation, reason)
     claimed: set[int] = set()
@@ -71,7 +77,7 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
         if seed in claimed or eqn_key(jaxpr.eqns[seed]) in broken:
             continue
         try:
-            candidate, why = _best_candidate(jaxpr, graph, seed, config, options, unrolled)
+            candidate, why = _best_candidate(jaxpr, graph, seed, config, options, unrolled, axes)
         except Exception as err:  # noqa: BLE001 - a failure here stays with this region
             failures.append((seed, seed, f"planning failed: {error_text(err)}"))
             continue
@@ -81,11 +87,38 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
         if candidate.region.eqns & claimed or any(eqn_key(jaxpr.eqns[i]) in broken for i in candidate.region.reducing):
             continue  # overlaps a region split this round; looked at again next round
         claimed |= candidate.region.eqns
+        axes.update(_dot_axes(jaxpr, candidate.region))
         plans.append(_plan(jaxpr, graph, candidate, config, report, options, split_level))
     return plans, failures
 
 
-def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions, unrolled: dict):
+def _dot_axes(jaxpr, region: SplitRegion) -> dict:
+    """The axis a region cuts each product it computes along: ``eqn_key`` -> axis of its result."""
+    found = {}
+    for i in region.eqns:
+        eqn = jaxpr.eqns[i]
+        if eqn.primitive.name == "dot_general" and region.var_axis.get(eqn.outvars[0]) is not None:
+            found[eqn_key(eqn)] = region.var_axis[eqn.outvars[0]]
+    return found
+
+
+def record_dot_axes(jaxpr, plans, recorded: dict) -> None:
+    """Remember the axis each planned loop cuts its products along, for the level's later rounds."""
+    for plan in plans:
+        for key, axis in _dot_axes(jaxpr, plan.region).items():
+            recorded.setdefault(key, axis)
+
+
+def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptions, unrolled: dict,
+                    axes: dict):
+    """The preferred way to split ``seed``'s region (:meth:`Candidate.key`; among those that fit alike,
+    after what it keeps out of memory, one cutting the products other loops compute along the same
+    axes), or ``(None, why not)``."""
+    def rank(candidate):
+        key = candidate.key()
+        agrees = all(axes.get(k, axis) == axis for k, axis in _dot_axes(jaxpr, candidate.region).items())
+        return (*key[:3], agrees, *key[3:])
+
     best, why = None, (seed, seed, "no splittable axis on the large operand")
     for label in seed_labels(jaxpr, seed, config.threshold, graph):
         try:
@@ -103,7 +136,7 @@ def _best_candidate(jaxpr, graph, seed: int, config: Config, options: SplitOptio
         if candidate is None:
             why = (seed, seed, "the large operand is not computed here (an input or a value needed elsewhere)")
             continue
-        if best is None or candidate.key() > best.key():
+        if best is None or rank(candidate) > rank(best):
             best = candidate
     return best, why
 
