@@ -16,7 +16,12 @@ classified: by kind (value mismatch, gradient mismatch, crash, pass skipped), by
 raised, or those that rewrote the minimised program), by primitive family and by vocabulary piece.
 ``--minimise-only`` does just that on an existing file.
 
-The file holds: programs, batches, chunks, wall and CPU seconds, programs per wall second, programs by
+It soaks the checkout it runs from, with that checkout's own environment (its ``.venv``): it stops
+with an error when the workers would import ``hlopass`` or its passes from elsewhere, and the file
+lists the commit of each run (``code``: the commit, whether tracked files differed from it, where
+the packages came from).
+
+The file holds: the code soaked, programs, batches, chunks, wall and CPU seconds, programs per wall second, programs by
 mode, by vocabulary piece and under a memory limit, rewrites by pass and kind, programs redrawn by
 exclusions, the differences judged rounding (and the other judged kinds), the mismatches (each with its
 reproducing command and its minimised program) and their counts by kind, pass, family and piece.
@@ -57,6 +62,29 @@ def worker_env(default_flags: bool = False) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
                 HLOPASS_RAISE_PASS_ERRORS="1", HLOPASS_CHECK_PASSES="1", HLOPASS_NEVER_WORSE="0",
                 JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+
+
+def code_under_test() -> dict:
+    """Where the workers' ``hlopass`` and ``hlopass.passes`` come from, and this checkout's commit (and
+    whether its tracked files differ from it). Raises ``SystemExit`` when either package is not this
+    checkout's: an editable install maps ``hlopass.passes`` to the installed checkout's ``passes/``
+    whatever ``PYTHONPATH`` says, so a worktree run with another checkout's environment would test
+    that checkout's passes as they are edited."""
+    probe = ("import importlib.util as u; import hlopass; "
+             "print(hlopass.__file__); print(u.find_spec('hlopass.passes').origin)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=worker_env(), capture_output=True, text=True,
+                          check=True)
+    engine, passes = done.stdout.split()[-2:]
+    for name, path in (("hlopass", engine), ("hlopass.passes", passes)):
+        if os.path.commonpath([os.path.realpath(path), os.path.realpath(ROOT)]) != os.path.realpath(ROOT):
+            raise SystemExit(f"tools.soak: the workers would import {name} from {path}, not from this checkout "
+                             f"({ROOT}): run the soak with this checkout's own environment "
+                             f"(bash tools/setup.sh test && .venv/bin/python -m tools.soak ...)")
+
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "hlopass": engine, "passes": passes}
 
 
 def empty_state(target: int) -> dict:
@@ -251,6 +279,10 @@ def main(argv=None) -> int:
     state = load_state(args.out, args.programs)
     state["command"] = "python -m tools.soak " + " ".join(argv if argv is not None else sys.argv[1:])
     state["machine"] = {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg()), "nice": os.nice(0)}
+    code = code_under_test()
+    runs = state.setdefault("code", [])
+    if code not in runs:      # a resumed soak that ran other code lists each
+        runs.append(code)
     if not args.minimise_only:
         run_chunks(state, args, args.out)
     if args.minimise or args.minimise_only:

@@ -1,11 +1,16 @@
 """The soak (tools/soak.py): its counts merge across chunks and resumed runs, and mismatches are classified.
 
-No programs are run here (a chunk is a fuzzer run, timed by tests/fuzz); the worker summaries below have
+No programs are run here (one child imports hlopass to say where it comes from) (a chunk is a fuzzer run, timed by tests/fuzz); the worker summaries below have
 the shape ``tests.fuzz.runner.run_seeds`` writes.
 """
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
+from tests import ROOT
 from tools import soak
 
 
@@ -55,3 +60,14 @@ def test_mismatches_are_counted_by_kind_pass_family_and_piece():
 def test_fresh_seeds_are_of_the_frontier_vocabulary():
     seeds = soak.fresh_seeds(5)
     assert len(set(seeds)) == 5 and all(s.startswith("s") and s[1:].isdigit() for s in seeds)
+
+
+def test_the_code_soaked_is_this_checkouts_and_is_recorded(monkeypatch, tmp_path):
+    """The file names the commit soaked; a checkout whose environment imports hlopass's passes from
+    elsewhere (an editable install of another checkout) is refused, not soaked silently."""
+    code = soak.code_under_test()
+    assert len(code["commit"]) == 40 and code["passes"].startswith(soak.ROOT), code
+    monkeypatch.setattr(soak, "ROOT", str(tmp_path))    # the packages now come from outside "this checkout"
+    monkeypatch.setattr(soak, "worker_env", lambda: dict(os.environ, PYTHONPATH=ROOT))
+    with pytest.raises(SystemExit, match="not from this checkout"):
+        soak.code_under_test()
