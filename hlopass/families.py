@@ -67,6 +67,9 @@ LOOPS = frozenset({"while", "scan"})
 #: Control flow with sub-jaxprs.
 CONTROL_FLOW = LOOPS | {"cond"}
 
+#: Primitives that move a value between shardings and leave its value as it is.
+RESHARDS = frozenset({"reshard", "sharding_constraint"})
+
 #: Calls of another hlopass program (a ``hlopass.jit`` function called inside this one): its own
 #: program with its own settings and pipeline. Passes and walkers do not enter it.
 OWN_PROGRAMS = frozenset({"hlopass_call"})

@@ -54,6 +54,21 @@ def sharding_pieces(sharding, rank: int) -> tuple[int, ...] | None:
     return tuple(pieces) if any(p > 1 for p in pieces) else None
 
 
+def type_axis(aval, dim: int) -> tuple[Any, str] | None:
+    """``(mesh, name)`` when dimension ``dim`` of a value's explicitly sharded type is cut along the one
+    mesh axis ``name`` (over more than one device); ``None`` otherwise (an ``Auto`` mesh's values, a
+    dimension whole or cut along several axes)."""
+    sharding = getattr(aval, "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True) or dim >= len(spec):
+        return None
+    entry = spec[dim]
+    names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    if len(names) != 1 or dict(mesh.shape).get(names[0], 1) < 2:
+        return None
+    return mesh, names[0]
+
+
 def input_shards() -> tuple | None:
     """Pieces per dimension of each input of the program being rewritten (``None`` where unknown)."""
     return _INPUT_SHARDS.get()

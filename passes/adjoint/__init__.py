@@ -32,8 +32,9 @@ steps and whose backward pass, chunk by chunk, recomputes the chunk's states,
 solves the adjoint recursion ``mu_{t-1} = A_t^T mu_t + C_t^T g_t`` backwards
 (an associative scan for a diagonal recurrence, sequential for a dense one)
 and takes every step's VJP at once (batched over the chunk). With
-``AdjointPass(sequence_axis="x")`` a time region whose length the mesh axis
-divides runs as a ``shard_map`` (:mod:`.sharded`): each device its T/D rows,
+``AdjointPass(sequence_axis="x")`` (or, under an ``Explicit`` mesh, when the
+inputs' types cut the time axis along one mesh axis) a time region whose length
+the mesh axis divides runs as a ``shard_map`` (:mod:`.sharded`): each device its T/D rows,
 K at a time, the devices one after the other (stacked layers make a device's
 incoming states depend on every layer of those before it), one set of states
 passed per device boundary each way; a diagonal recurrence outside any region
@@ -104,7 +105,8 @@ class AdjointOptions:
     #: Steps per chunk (K); ``None`` balances the states kept at chunk boundaries against a chunk's
     #: per-step bytes (about sqrt(T * carry / step)), fewer under the memory limit.
     chunk: int | None = None
-    #: The mesh axis the time axis is sharded over (``None``: one device); see :mod:`.sharded`.
+    #: The mesh axis the time axis is sharded over; ``None``: the one the inputs' types cut it along
+    #: under an ``Explicit`` mesh, else one device. See :mod:`.sharded`.
     sequence_axis: str | None = None
     #: The mesh holding ``sequence_axis``; ``None``: the one set with ``jax.set_mesh``.
     mesh: Any = None

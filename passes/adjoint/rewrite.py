@@ -9,10 +9,11 @@ import threading
 
 from hlopass import internals as jx
 
-from hlopass.families import CALLS, CUSTOM_DERIVATIVE_CALLS
+from hlopass.families import CALLS, CUSTOM_DERIVATIVE_CALLS, RESHARDS
 from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
 from hlopass.jaxpr_utils import iter_eqns, subjaxprs
 from hlopass.report import Note, source_line
+from hlopass.sharding import type_axis
 from hlopass.sizes import format_size
 
 from .chains import find_chains, roll, rolled_scan
@@ -70,18 +71,44 @@ def _not_differentiated(closed: jx.ClosedJaxpr) -> set[int]:
     return out
 
 
-def _sharding(options, length: int, forms) -> tuple:
-    """``(mesh, devices, why_not)`` for sharding ``length`` steps over ``options.sequence_axis``:
-    ``why_not`` is ``None`` when they can be, else the reason (also when no axis is asked for)."""
-    if options.sequence_axis is None:
-        return None, None, "no sequence_axis is set"
-    mesh = options.mesh if options.mesh is not None else context_mesh()
-    devices = mesh_axis_size(mesh, options.sequence_axis)
+def _sharding(options, length: int, forms, sources=(), producers=None) -> tuple:
+    """``(mesh, axis, devices, why_not, gathered)`` for sharding ``length`` steps over
+    ``options.sequence_axis``, or, when it is not set, over the mesh axis the time axis (axis 0) of
+    one of ``sources`` is cut along (:func:`_time_axis`); ``why_not`` is ``None`` when they can be,
+    else the reason (also when no axis is asked for or found); ``gathered`` maps each source that is
+    a sharded value made whole (``reshard``) to that value, which the sharded loop reads instead."""
+    axis, mesh, gathered = options.sequence_axis, options.mesh, {}
+    if axis is None:
+        found = _time_axis(sources, producers or {})
+        if found is None:
+            return None, None, None, "no sequence_axis is set", {}
+        mesh, axis, gathered = found
+    mesh = mesh if mesh is not None else context_mesh()
+    devices = mesh_axis_size(mesh, axis)
     why = ("no mesh with that axis is set" if devices is None else
            "complex recurrences are not sharded (XLA 0.10's CPU compiler fails on them in a shard_map)"
            if "complex" in forms else
            f"{length} steps do not split evenly over {devices} devices" if length % devices else None)
-    return mesh, devices, why
+    return mesh, axis, devices, why, gathered
+
+
+def _time_axis(sources, producers: dict):
+    """``(mesh, axis, gathered)`` when the time axis of a source is cut along one mesh axis in its type
+    (an ``Explicit`` mesh), or the source is such a value made whole for the scan (``lax.scan`` wants
+    its ``xs`` whole along time: ``reshard(xs, P())``); ``None`` when no source says so."""
+    for var in sources:
+        hit = type_axis(var.aval, 0)
+        if hit is not None:
+            return (*hit, {})
+        eqn = producers.get(var)
+        if eqn is not None and eqn.primitive.name in RESHARDS:
+            hit = type_axis(eqn.invars[0].aval, 0)
+            if hit is not None:
+                gathered = {v: producers[v].invars[0] for v in sources
+                            if v in producers and producers[v].primitive.name in RESHARDS
+                            and type_axis(producers[v].invars[0].aval, 0) == hit}
+                return (*hit, gathered)
+    return None
 
 
 def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
@@ -204,6 +231,7 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
         c = roll_chains(c, add)
         reps = []
         found: dict[int, Recurrence] = {}
+        producers = {v: e for e in c.jaxpr.eqns for v in e.outvars}
         for i, eqn in enumerate(c.jaxpr.eqns):
             if eqn.primitive.name != "scan":
                 continue
@@ -223,25 +251,27 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                                                        and i not in in_region})
                 if region is None or len(region.eqns) < 2 or in_region & set(region.eqns):
                     continue
-                mesh, devices, why = _sharding(options, region.length, [r.form for r in region.scans.values()])
+                mesh, axis, devices, why, gathered = _sharding(
+                    options, region.length, [r.form for r in region.scans.values()], region.sources, producers)
                 rows = length if why else length // devices
                 k = balanced_chunk(rows, region.carry_bytes, region.row_bytes, memory_limit, options.chunk)
                 build = (chunked_region(c.jaxpr, region, k, own_machinery) if why else
-                         sharded_region(c.jaxpr, region, k, own_machinery, mesh, options.sequence_axis))
-                reps.append(Replacement(list(region.eqns), region.sources + region.invariants,
+                         sharded_region(c.jaxpr, region, k, own_machinery, mesh, axis))
+                sources = [gathered.get(v, v) for v in region.sources] if not why else region.sources
+                reps.append(Replacement(list(region.eqns), sources + region.invariants,
                                         region.rows_out + region.finals, build,
                                         anchor=min(region.scans)))
                 in_region.update(region.eqns)
                 for i, summary, details in _describe_region(c.jaxpr, region, k, rows):
-                    if options.sequence_axis is not None and not why:
-                        summary += (f"; time axis sharded over mesh axis {options.sequence_axis!r} ({devices} "
+                    if not why:
+                        summary += (f"; time axis sharded over mesh axis {axis!r} ({devices} "
                                     f"devices, {rows} steps each, run one device after the other; one set of "
                                     f"states per device boundary)")
                         details = details + (("devices", devices),)
                     add(Note(NAME, "adjoint_scan", source_line(c.jaxpr.eqns[i]), summary, "scan", details))
-                if why and options.sequence_axis is not None:
+                if why and axis is not None:
                     add(Note(NAME, "skip", source_line(c.jaxpr.eqns[min(region.scans)]),
-                             f"not sharded over {options.sequence_axis!r}: {why}; one device's time region "
+                             f"not sharded over {axis!r}: {why}; one device's time region "
                              f"instead", "scan"))
         for i, rec in found.items():
             if i in in_region:
@@ -261,8 +291,10 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                     logger.info("hlopass: adjoint at %s: truncated gradient differs from the exact one by "
                                 "%.3g (relative)", site, float(rel))
             fun = None
-            if options.sequence_axis is not None:
-                mesh, devices, why = _sharding(options, params["length"], [rec.form])
+            mesh, axis, devices, why, gathered = (
+                _sharding(options, params["length"], [rec.form], eqn.invars[nc + nk:], producers)
+                if options.truncate is None else (None, None, None, "truncated", {}))
+            if axis is not None:
                 why = why or ("dense recurrences are not sharded (their per-device map is a matrix)"
                               if rec.form == "dense" else None)
                 if why is None:
@@ -270,20 +302,23 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                     k = chunk_length(rows, rec, memory_limit, options.chunk)
                     fun = sharded_adjoint_scan(body_function(params["jaxpr"], nc, nk, own_context=False), nc, nk,
                                                len(eqn.invars) - nc - nk, params["length"], k, rec.form, mesh,
-                                               options.sequence_axis, own_machinery,
+                                               axis, own_machinery,
                                                [v.aval for v in eqn.outvars])
                     summary, details = _describe(eqn, rec, k, options)
-                    summary += (f"; time axis sharded over mesh axis {options.sequence_axis!r} ({devices} devices, "
+                    summary += (f"; time axis sharded over mesh axis {axis!r} ({devices} devices, "
                                 f"{rows} steps each; one state per device boundary, parameter cotangents summed "
                                 f"by one psum each)")
                     details = details + (("devices", devices),)
                 else:
-                    add(Note(NAME, "skip", site, f"not sharded over {options.sequence_axis!r}: {why}; "
+                    add(Note(NAME, "skip", site, f"not sharded over {axis!r}: {why}; "
                              f"one device's adjoint scan instead", "scan"))
             if fun is None:
                 fun = adjoint_scan(body_function(params["jaxpr"], nc, nk), nc, nk, params["length"], k, rec.form,
                                    truncate=options.truncate, on_truncation=on_trunc, guard=own_machinery)
-            reps.append(Replacement([i], list(eqn.invars), list(eqn.outvars),
+            inputs = list(eqn.invars)
+            if axis is not None and why is None:   # sharded: read the sharded values, not their gathers
+                inputs[nc + nk:] = [gathered.get(v, v) for v in inputs[nc + nk:]]
+            reps.append(Replacement([i], inputs, list(eqn.outvars),
                                     lambda *vals, fun=fun: fun(*vals), anchor=i))
             add(Note(NAME, "adjoint_scan", site, summary, "scan", details))
         return rewrite(c, reps) if reps else c

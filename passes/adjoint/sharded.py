@@ -3,7 +3,8 @@
 With ``AdjointPass(sequence_axis="x")`` and a mesh holding the axis ``"x"``
 (``jax.set_mesh(mesh)``, or ``AdjointPass(mesh=mesh)``) of ``D`` devices, and
 ``T`` steps that ``D`` divides, device ``d`` holds rows ``[d T/D, (d+1) T/D)``
-of the time axis.
+of the time axis. Without ``sequence_axis``, an ``Explicit`` mesh's types name
+the axis (see ``rewrite._time_axis``).
 
 A time region (:mod:`.stack`: stacked layers and the row-wise code between
 them) becomes :func:`sharded_region`: each device runs its rows ``K`` at a

@@ -16,7 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlopass
+from hlopass.jaxpr_utils import iter_eqns
 from hlopass.passes.adjoint import AdjointPass
+from hlopass.sharding import type_axis
 
 from tests.passes.adjoint import models
 from tests.passes.adjoint.test_adjoint import problem
@@ -123,6 +125,36 @@ def explicit_case(T: int = 36) -> dict:
     return dict(error=max(errors), rewrites=rewrites, skips=[])
 
 
+def detected_case(T: int = 36) -> dict:
+    """No ``sequence_axis`` given: under an ``Explicit`` mesh the time axis of the inputs is cut along
+    ``"x"`` in their types, made whole for ``lax.scan`` (``reshard(xs, P())``, as JAX asks), and the
+    pass shards along it (a region of stacked layers, a scan alone), reading the sharded values."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def lone(params, h0, xs):
+        h, ys = models.diagonal(params, h0, jax.sharding.reshard(xs, P()))
+        return jnp.sum(ys ** 2) + jnp.sum(h)
+
+    def stacked(params, h0s, xs):
+        return models.stacked_loss(params, h0s, jax.sharding.reshard(xs, P()))
+    errors, rewrites = [], []
+    with jax.enable_x64(True), jax.set_mesh(mesh):
+        k = jax.random.split(jax.random.key(4), 4)
+        params = tuple(0.3 * jax.random.normal(k[j], (5, 3), "float64") for j in range(3))
+        h0 = 0.1 * jax.random.normal(k[3], (3, 5), "float64")
+        xs = jax.device_put(jax.random.normal(k[0], (T, 5), "float64"), P("x", None))
+        gathers = []   # reshards that make a T-row value whole, in the plain and in the rewritten program
+        for loss, args in ((lone, (params, h0, xs)), (stacked, ([params] * 2, [h0] * 2, xs))):
+            grad = jax.grad(loss, (0, 1, 2))
+            f = hlopass.jit(grad)
+            errors.append(_rel(f(*args), jax.jit(grad)(*args)))
+            rewrites += _report(f, *args)[0]
+            gathers.append([sum(e.primitive.name == "reshard" and e.outvars[0].aval.shape[:1] == (T,)
+                                and type_axis(e.outvars[0].aval, 0) is None for e in iter_eqns(closed.jaxpr))
+                            for closed in (jax.make_jaxpr(grad)(*args), f.trace(*args).rewritten_jaxpr)])
+    return dict(error=max(errors), rewrites=rewrites, skips=[], gathers=gathers)
+
+
 def lm_memory_case(T: int = 8192) -> dict:
     """The benchmark's language model (4 layers, width 256, state 16): per-device temp, compiled only."""
     from tools.bench_adjoint import init, make_loss
@@ -181,6 +213,7 @@ CASES = {
     "lm_memory": lm_memory_case,
     "no_inputs_f64": no_inputs_case,
     "explicit_f64": explicit_case,
+    "detected_f64": detected_case,
 }
 
 if __name__ == "__main__":
