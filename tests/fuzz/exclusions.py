@@ -53,6 +53,13 @@ EXCLUSIONS: list[Exclusion] = [
     Exclusion("test_split_softmax_of_squared_logits_rounds_as_chunked_by_hand",
               lambda p, mode: not p.grid and p.has("map:square") and p.has("reduce:softmax_matvec"),
               deviation="README, The split pass, Fused multiply-add"),
+    # split: on the grid, columns holding the same values in another order tie exactly; a cumulative
+    # logsumexp or product carried across chunks rounds them in another order than jax.jit's, so top_k or
+    # argmax can rank the tied columns otherwise (every differing index an exact tie; s676920774220)
+    Exclusion("test_top_k_after_a_split_cumulative_logsumexp_differs_only_at_exact_ties",
+              lambda p, mode: p.grid and any(p.has(c) for c in ("frontier:cumlogsumexp_long", "frontier:cumprod_long"))
+              and any(p.has(r) for r in ("reduce:top_k", "post:top_k", "reduce:argmax")),
+              deviation="docs/passes/split.md, Ties"),
     # algebraic: XLA:CPU keeps a float16 product unrounded inside the fusion of exp(v*v - max) while the
     # max holds it rounded, so a row whose max rounds down overflows to NaN; the expanded distances differ
     # from jax.jit's in the last bit, so other rows than jax.jit's own do (s169357533700)

@@ -840,7 +840,7 @@ def test_a_bfloat16_prefix_sum_rounded_once_flips_a_near_tie_as_plain_jax_does()
     closer than its own rounding (exactly 253 apart, at 2.7e4 where bfloat16's spacing is 128), and a
     softmax of bfloat16 values that far apart is one-hot. Plain JAX written by hand with the prefix sums
     rounded once (summed in float32) puts the 1 where hlopass does (documented deviation: a near-tie,
-    README, *What the fuzzer found*)."""
+    Testing, *The soak round by round*)."""
     from hlopass import internals as jx
     from tests.fuzz import runner
     batch = runner.draw_batch("s616536329601", only=0)
@@ -871,3 +871,44 @@ def test_a_bfloat16_prefix_sum_rounded_once_flips_a_near_tie_as_plain_jax_does()
     assert ours.trace(*args).report.rewrites
     assert np.argmax(plain) != np.argmax(hand)
     np.testing.assert_array_equal(got, hand)
+
+
+def test_top_k_after_a_split_cumulative_logsumexp_differs_only_at_exact_ties():
+    """Fresh seed s676920774220, program 2 (float64 on the integer grid, under ``jax.vmap``:
+    ``top_k(cumlogsumexp(clip(x @ y.T, -1, 2), 0), 2)``): 12 of the 1,752 indices differ from
+    ``jax.jit``'s. The split runs the cumulative logsumexp 17 rows at a time with a carried total.
+    Clipped grid products repeat, so columns holding the same values in another order tie exactly;
+    each rounding order puts one or the other ahead (``jax.jit``'s ranks column 81 above 71 at row 17
+    by one ulp, where ``top_k`` breaks the exact tie towards 71). Every differing index is such an exact
+    tie, and the same loop written by hand in plain JAX also ranks tied columns otherwise than
+    ``jax.jit`` (documented deviation: the split pass's page, *Ties*)."""
+    from jax import lax
+    from tests.fuzz import runner
+    batch = runner.draw_batch("s676920774220", only=2, exclusions=False)
+    x, y = (a[0] for a in batch.programs[0].make_inputs(runner.lead_axes(batch.mode)))
+    fn = lambda x, y: lax.top_k(lax.cumlogsumexp(jnp.clip(x @ y.T, -1, 2), axis=0), 2)[1]  # noqa: E731
+
+    def by_hand(x, y, chunk=17):   # the split's loop, written in plain JAX
+        e = jnp.clip(x @ y.T, -1, 2)
+        rows, total = [], jnp.full(e.shape[1], -jnp.inf, e.dtype)
+        for start in range(0, e.shape[0], chunk):
+            part = jnp.logaddexp(lax.cumlogsumexp(e[start:start + chunk], axis=0), total)
+            rows.append(part)
+            total = part[-1]
+        return lax.top_k(jnp.concatenate(rows), 2)[1]
+
+    with jax.enable_x64(True):
+        x, y = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64)
+        ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size)
+        got, plain = np.asarray(ours(x, y)), np.asarray(jax.jit(fn)(x, y))
+        hand = np.asarray(jax.jit(by_hand)(x, y))
+        assert ours.trace(x, y).report.rewrites
+        values = np.clip(np.asarray(x) @ np.asarray(y).T, -1, 2)
+
+    def tie(row, a, b):   # the same values in another order: equal cumulative logsumexps
+        return np.array_equal(np.sort(values[:row + 1, a]), np.sort(values[:row + 1, b]))
+    for name, other in (("hlopass", got), ("by hand", hand)):
+        differ = np.argwhere(other != plain)
+        assert len(differ) > 0, name
+        for row, slot in differ:
+            assert tie(row, other[row, slot], plain[row, slot]), (name, row, slot)
