@@ -11,8 +11,9 @@ class SplitOptions:
 
     #: Rewrite rounds per jaxpr level (each round splits non-overlapping regions).
     max_rounds: int = 16
-    #: An even chunk (dividing the axis) is preferred when at least this fraction of the largest that fits.
-    even_chunk_fraction: float = 0.8
+    #: An even chunk (dividing the axis) is preferred when at least this fraction of the largest that fits:
+    #: at most 1.5 times the iterations, and no remainder step to trace, split again and compile.
+    even_chunk_fraction: float = 2 / 3
     #: Times the split is redone with half the sizes while XLA's footprint is over the memory limit.
     max_retries: int = 4
     #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
