@@ -27,6 +27,10 @@ class Exclusion:
 NAN_SEEING_REDUCERS = ("reduce:max", "reduce:min", "reduce:argmax", "reduce:logsumexp", "reduce:softmax_matvec",
                        "reduce:top_k", "post:top_k", "map:clip", "map:relu")
 
+#: Pieces that take a logsumexp of their operand.
+LOGSUMEXPS = ("reduce:logsumexp", "frontier:contrastive_lse", "frontier:lse_minus_diag", "frontier:masked_lse",
+              "frontier:ott_logsumexp", "frontier:custom_vjp_logsumexp")
+
 EXCLUSIONS: list[Exclusion] = [
     # split: max/min/clip propagate NaN and top_k ranks it first, as JAX documents; XLA:CPU's fused large
     # kernels sometimes skip it (a NaN made inside the program from Inf·0 too, so any special input)
@@ -45,8 +49,9 @@ EXCLUSIONS: list[Exclusion] = [
               deviation="README, The split pass, Fused multiply-add"),
     # split: a logsumexp of a cube off the grid (logits to 417,000, step 0.03): the split recomputes the cube
     # in a second loop and rounds as the same two loops written by hand (r310525650708)
+    # (also the logsumexps the frontier pieces take: a contrastive loss's, s779259237893, logits to 2.2e5)
     Exclusion("test_split_logsumexp_of_a_cube_rounds_as_chunked_by_hand",
-              lambda p, mode: not p.grid and p.has("map:cube") and p.has("reduce:logsumexp"),
+              lambda p, mode: not p.grid and p.has("map:cube") and any(p.has(r) for r in LOGSUMEXPS),
               deviation="README, The split pass, Fused multiply-add"),
     # split: the same with a square, whose logits reach the tens of thousands: a chunk of rows rounds
     # otherwise than the whole in XLA:CPU's kernels and fusions, by hand as in hlopass (r73655148886)
@@ -60,6 +65,13 @@ EXCLUSIONS: list[Exclusion] = [
               lambda p, mode: p.grid and any(p.has(c) for c in ("frontier:cumlogsumexp_long", "frontier:cumprod_long"))
               and any(p.has(r) for r in ("reduce:top_k", "post:top_k", "reduce:argmax")),
               deviation="docs/passes/split.md, Ties"),
+    # split: a bfloat16 cumulative sum carried by the split is the exact sum rounded once, jax.jit's
+    # reduce_window rounds as it goes; a softmax downstream weighs a last-bit difference by exp(spacing)
+    # (s616536329601, s172236491516)
+    Exclusion("test_a_bfloat16_prefix_sum_rounded_once_moves_a_near_tie_as_plain_jax_does",
+              lambda p, mode: p.dtype == "bfloat16" and any(p.has(c) for c in ("frontier:cumsum_long", "post:cumsum"))
+              and any(p.has(r) for r in ("post:softmax", "reduce:softmax_matvec", "frontier:softmax_minus_col")),
+              deviation="docs/testing.md, The soak round by round"),
     # algebraic: XLA:CPU keeps a float16 product unrounded inside the fusion of exp(v*v - max) while the
     # max holds it rounded, so a row whose max rounds down overflows to NaN; the expanded distances differ
     # from jax.jit's in the last bit, so other rows than jax.jit's own do (s169357533700)

@@ -832,45 +832,55 @@ def test_an_expanded_gradient_through_a_tie_rounds_where_the_written_one_is_zero
         assert float(jnp.max(jnp.abs(g))) <= bound
 
 
-def test_a_bfloat16_prefix_sum_rounded_once_flips_a_near_tie_as_plain_jax_does():
-    """Fresh seed s616536329601, program 0 (bfloat16 on the integer grid: ``cumsum`` over 269 rows of
-    squares, a bfloat16 matvec, 3 gathered entries, ``softmax``): hlopass puts the 1 on entry 1,
-    ``jax.jit`` on entry 0. The split carries the prefix sums exactly (integers) and rounds them once;
-    ``jax.jit``'s ``reduce_window`` is off by hundreds. The bfloat16 matvec leaves entries 0 and 1
-    closer than its own rounding (exactly 253 apart, at 2.7e4 where bfloat16's spacing is 128), and a
-    softmax of bfloat16 values that far apart is one-hot. Plain JAX written by hand with the prefix sums
-    rounded once (summed in float32) puts the 1 where hlopass does (documented deviation: a near-tie,
-    Testing, *The soak round by round*)."""
-    from hlopass import internals as jx
+def _prefix_sums_rounded_once(fn):
+    """``jax.jit`` of ``fn`` with its ``lax.cumsum`` s summed in float32 and rounded once to their type:
+    the program as written, by hand, with the prefix sums the split's carried total gives."""
+    from unittest import mock
+    original = lax.cumsum
+
+    def rounded_once(x, axis=0, reverse=False):
+        return original(x.astype(jnp.float32), axis=axis, reverse=reverse).astype(x.dtype)
+
+    def traced(*args):   # the patch is in place only while this is traced
+        with mock.patch.object(lax, "cumsum", rounded_once):
+            return fn(*args)
+    return jax.jit(traced)
+
+
+@pytest.mark.parametrize("seed,index,near", [
+    # cumsum over 269 rows of squares, a bfloat16 matvec, 3 gathered entries, softmax: the split's prefix
+    # sums are exact (integers) and rounded once, jax.jit's reduce_window is off by up to 571; entries 0
+    # and 1 are exactly 253 apart at 2.7e4 (bfloat16 spacing 128), so the matvec's rounding orders them
+    ("s616536329601", 0, "argmax"),
+    # tanh of squared grid distances summed over 268 rows (values past 256, bfloat16 spacing 2), then a
+    # softmax over columns: a prefix sum one step apart weighs exp(2) more (inside a scan of 2)
+    ("s172236491516", 7, "values"),
+])
+def test_a_bfloat16_prefix_sum_rounded_once_moves_a_near_tie_as_plain_jax_does(seed, index, near):
+    """Fresh seeds s616536329601 (program 0) and s172236491516 (program 7), bfloat16 on the integer
+    grid: a cumulative sum carried by the split is the exact sum rounded once, where ``jax.jit``'s
+    ``reduce_window`` rounds as it goes; a softmax downstream turns a last-bit difference of bfloat16
+    values (spacing 128 and 2 there) into another weight. Plain JAX written with the prefix sums rounded
+    once differs from ``jax.jit`` wherever hlopass does, and gives hlopass's result bit for bit (the first)
+    or at 534 of 536 entries (the second, whose split also chunks the softmax's sums inside a row)
+    (documented deviation: a near-tie, Testing, *The soak round by round*)."""
     from tests.fuzz import runner
-    batch = runner.draw_batch("s616536329601", only=0)
+    batch = runner.draw_batch(seed, only=index)
     fn, _ = runner._combined(batch.programs)
-    args = batch.programs[0].make_inputs(())
-    closed = jax.make_jaxpr(fn)(*args)
-
-    def rounded_once(x, axis, reverse):
-        assert not reverse
-        return jnp.cumsum(x.astype(jnp.float32), axis).astype(x.dtype)
-
-    def by_hand(*args):   # the program as written, its prefix sums rounded once
-        env = dict(zip(closed.jaxpr.constvars, closed.consts)) | dict(zip(closed.jaxpr.invars, args))
-        read = lambda v: v.val if isinstance(v, jx.Literal) else env[v]
-        for eqn in closed.jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            outs = ([rounded_once(*ins, **eqn.params)] if eqn.primitive.name == "cumsum"
-                    else eqn.primitive.bind(*ins, **eqn.params))
-            env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results or isinstance(outs, list)
-                           else [outs]))
-        return [read(v) for v in closed.jaxpr.outvars]
-
-    assert [e.primitive.name for e in closed.jaxpr.eqns].count("cumsum") == 1
+    args = batch.programs[0].make_inputs(runner.lead_axes(batch.mode))
+    assert batch.mode == "value"
     plain = np.asarray(jax.tree.leaves(jax.jit(fn)(*args))[0], np.float32)
-    hand = np.asarray(jax.jit(by_hand)(*args)[0], np.float32)
+    hand = np.asarray(jax.tree.leaves(_prefix_sums_rounded_once(fn)(*args))[0], np.float32)
     ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size)
     got = np.asarray(jax.tree.leaves(ours(*args))[0], np.float32)
     assert ours.trace(*args).report.rewrites
-    assert np.argmax(plain) != np.argmax(hand)
-    np.testing.assert_array_equal(got, hand)
+    if near == "argmax":
+        assert np.argmax(plain) != np.argmax(hand)
+        np.testing.assert_array_equal(got, hand)
+    else:   # where hlopass differs from jax.jit, the prefix sums rounded once do too
+        ours_off, hand_off = got != plain, hand != plain
+        assert ours_off.any() and not (ours_off & ~hand_off).any()
+        assert np.mean(got == hand) > 0.99    # the rest: the softmax's own sums, chunked inside a row
 
 
 def test_top_k_after_a_split_cumulative_logsumexp_differs_only_at_exact_ties():
