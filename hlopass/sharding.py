@@ -219,6 +219,20 @@ def mesh_of(shardings: Sequence[Any] | None):
     return contextlib.nullcontext()
 
 
+def typed_mesh(tree):
+    """The explicit mesh the values of ``tree`` are typed on, entered when the context has none
+    (``jax.make_jaxpr`` of a function of such values outside it traces a ``vmap`` of a
+    custom-derivative call over them onto an empty mesh, and JAX refuses the result); else a null
+    context."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return jx.use_abstract_mesh(mesh)
+    return contextlib.nullcontext()
+
+
 def explicit_mesh(closed) -> Any | None:
     """The mesh of the first explicitly sharded type among ``closed``'s inputs and outputs, else ``None``."""
     for aval in (*closed.in_avals, *closed.out_avals):

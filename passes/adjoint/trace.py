@@ -29,6 +29,7 @@ from hlopass import internals as jx
 
 from hlopass.patches import Patches
 from hlopass.report import Note
+from hlopass.sharding import typed_mesh
 
 from .rewrite import in_machinery, own_machinery, rewrite_scans
 
@@ -37,20 +38,6 @@ _state = threading.local()
 
 def _targets():
     return [(jx.api_module, "vjp"), (jax, "vjp")]
-
-
-def _types_mesh(tree):
-    """The explicit mesh the values of ``tree`` are typed on, entered when the context has none
-    (``jax.make_jaxpr`` of a function of explicitly sharded values otherwise traces a ``vmap`` of a
-    custom-derivative call over them with shardings on an empty mesh, and JAX then refuses them);
-    else a null context."""
-    if not jax.sharding.get_abstract_mesh().empty:
-        return contextlib.nullcontext()
-    for leaf in jax.tree_util.tree_leaves(tree):
-        mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty:
-            return jx.use_abstract_mesh(mesh)
-    return contextlib.nullcontext()
 
 
 def _patched(original: Callable) -> Callable:
@@ -64,7 +51,7 @@ def _patched(original: Callable) -> Callable:
         notes, memory_limit, options, check, seen = tracing
         seen.append(getattr(fun, "__name__", "a function"))
         nested_before = getattr(_state, "nested", 0)
-        with own_machinery(), _types_mesh(primals):  # a probe at this depth: does ``fun`` hold a linear recurrence?
+        with own_machinery(), typed_mesh(primals):  # a probe at this depth: does ``fun`` hold a linear recurrence?
             probe, shape = jax.make_jaxpr(fun, return_shape=True)(*primals)
             found: list[Note] = []
             if rewrite_scans(probe, memory_limit, options, found, check) is probe:
@@ -75,7 +62,7 @@ def _patched(original: Callable) -> Callable:
 
         @functools.wraps(fun)
         def rewritten(*args):
-            with own_machinery(), _types_mesh(args):
+            with own_machinery(), typed_mesh(args):
                 closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
                 new = rewrite_scans(closed, memory_limit, options, notes, check)
             leaves = jax.tree_util.tree_leaves(args)
