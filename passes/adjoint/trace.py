@@ -40,6 +40,22 @@ def _targets():
     return [(jx.api_module, "vjp"), (jax, "vjp")]
 
 
+def _in_a_mesh(trace: Callable, values):
+    """``trace()`` in the current context, or, where JAX refuses it there for want of a mesh, in the
+    explicit mesh of ``values``' types (:func:`~hlopass.sharding.typed_mesh`). A ``vmap`` of a custom
+    derivative over explicitly sharded values, traced outside their mesh, puts their shardings on an
+    empty mesh ("Resource axis ... not found in mesh: ()"); inside the mesh, other operations (a
+    Cholesky factorisation's ``select``) check shardings that JAX leaves unchecked outside it, so the
+    mesh is entered only when it is missing."""
+    try:
+        return trace()
+    except ValueError as err:
+        if "not found in mesh" not in str(err):
+            raise
+        with typed_mesh(values):
+            return trace()
+
+
 def _patched(original: Callable) -> Callable:
     @functools.wraps(original)
     def vjp(fun, *primals, has_aux=False, **kwargs):
@@ -51,8 +67,8 @@ def _patched(original: Callable) -> Callable:
         notes, memory_limit, options, check, seen = tracing
         seen.append(getattr(fun, "__name__", "a function"))
         nested_before = getattr(_state, "nested", 0)
-        with own_machinery(), typed_mesh(primals):  # a probe at this depth: does ``fun`` hold a linear recurrence?
-            probe, shape = jax.make_jaxpr(fun, return_shape=True)(*primals)
+        with own_machinery():  # a probe at this depth: does ``fun`` hold a linear recurrence?
+            probe, shape = _in_a_mesh(lambda: jax.make_jaxpr(fun, return_shape=True)(*primals), primals)
             found: list[Note] = []
             if rewrite_scans(probe, memory_limit, options, found, check) is probe:
                 notes.extend(n for n in found if n not in notes)   # the scans left alone, and why
@@ -62,11 +78,12 @@ def _patched(original: Callable) -> Callable:
 
         @functools.wraps(fun)
         def rewritten(*args):
-            with own_machinery(), typed_mesh(args):
-                closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
-                new = rewrite_scans(closed, memory_limit, options, notes, check)
-            leaves = jax.tree_util.tree_leaves(args)
-            outs = jx.jaxpr_as_fun(new)(*leaves)
+            def traced():
+                with own_machinery():
+                    closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+                    new = rewrite_scans(closed, memory_limit, options, notes, check)
+                return jx.jaxpr_as_fun(new)(*jax.tree_util.tree_leaves(args)), shape
+            outs, shape = _in_a_mesh(traced, args)
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), list(outs))
         return original(rewritten, *primals, has_aux=has_aux)
     return vjp
