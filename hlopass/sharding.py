@@ -46,11 +46,8 @@ def sharding_pieces(sharding, rank: int) -> tuple[int, ...] | None:
     if spec is None or mesh is None or getattr(mesh, "empty", True):
         return None
     sizes = dict(mesh.shape)
-    pieces = []
-    for k in range(rank):
-        entry = spec[k] if k < len(spec) else None
-        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        pieces.append(math.prod(sizes.get(name, 1) for name in names))
+    pieces = [math.prod(sizes.get(name, 1) for name in _axis_names(spec[k] if k < len(spec) else None))
+              for k in range(rank)]
     return tuple(pieces) if any(p > 1 for p in pieces) else None
 
 
@@ -62,11 +59,15 @@ def type_axis(aval, dim: int) -> tuple[Any, str] | None:
     spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
     if spec is None or mesh is None or getattr(mesh, "empty", True) or dim >= len(spec):
         return None
-    entry = spec[dim]
-    names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    names = _axis_names(spec[dim])
     if len(names) != 1 or dict(mesh.shape).get(names[0], 1) < 2:
         return None
     return mesh, names[0]
+
+
+def _axis_names(entry) -> tuple:
+    """The mesh axis names of one entry of a ``PartitionSpec`` (``None``, a name, or a tuple of names)."""
+    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
 def input_shards() -> tuple | None:
