@@ -72,6 +72,14 @@ EXCLUSIONS: list[Exclusion] = [
               lambda p, mode: p.dtype == "bfloat16" and any(p.has(c) for c in ("frontier:cumsum_long", "post:cumsum"))
               and any(p.has(r) for r in ("post:softmax", "reduce:softmax_matvec", "frontier:softmax_minus_col")),
               deviation="docs/testing.md, The soak round by round"),
+    # algebraic: on the grid, the cotangent of expanded distances reaches them only where a .at[idx].min
+    # (or .max) ties with the zero it starts from, at x_i == y_j: the written gradient sums exact zeros, the
+    # expanded one rounds, and jax.jit's gradient is all zeros (s664863178853, s758966966329)
+    Exclusion("test_an_expanded_gradient_through_a_tie_rounds_where_the_written_one_is_zero",
+              lambda p, mode: p.grid and (mode.startswith("grad") or mode == "sharded_grad" or p.has("wrap:grad"))
+              and p.has("expand:sqdist") and p.has("frontier:scatter_reduce")
+              and any(op in p.description for op in (".min(", ".max(")),
+              deviation="docs/passes/algebraic.md, A gradient through a tie at equal points"),
     # algebraic: XLA:CPU keeps a float16 product unrounded inside the fusion of exp(v*v - max) while the
     # max holds it rounded, so a row whose max rounds down overflows to NaN; the expanded distances differ
     # from jax.jit's in the last bit, so other rows than jax.jit's own do (s169357533700)
