@@ -317,6 +317,17 @@ def test_overflowed_alike_tells_16_bit_overflow_from_a_wrong_value():
                                    np.array([1, 2, np.inf, 3])) is not None                        # true Inf
     off = np.array([5000, 2, np.inf, 3], np.float16)                                                # plain is off
     assert runner.overflowed_alike(np.array([1, 2, 7, 3], np.float16), off, wide) is None
+    # jax.jit's own intermediates overflow where the float32 run is small (s27198728369): hlopass may
+    # overflow elsewhere as often, not more than twice as often
+    small = np.array([-4688.0, 2.0, 44256.0, 3.0, 20000.0])
+    inner = np.array([np.inf, 2, 44256, 3, 20000], np.float16)
+    assert runner.overflowed_alike(np.array([-4688, 2, np.inf, 3, 20000], np.float16), inner, small) is None
+    assert runner.overflowed_alike(np.array([-4688, 2, np.inf, 3, -np.inf], np.float16), inner, small) is None
+    alone = np.array([-4688, 2, 44256, 3, 20000], np.float16)
+    assert runner.overflowed_alike(np.array([-4688, 2, np.inf, 3, -np.inf], np.float16), alone, small) is not None
+    three = np.array([-4688, np.inf, np.inf, np.inf, 20000], np.float16)                          # 3 > 2 x 1
+    assert runner.overflowed_alike(three, np.array([np.inf, 2, 4, 3, 20000], np.float16),
+                                   np.array([-4688.0, 2.0, 4.0, 3.0, 20000.0])) is not None
 
 
 def test_seeds_before_the_frontier_vocabulary_keep_their_programs():
