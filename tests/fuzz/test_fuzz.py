@@ -64,6 +64,7 @@ REGRESSION_SEEDS: list[str] = [
     "s779685538234",  # an expanded sum clamped at zero with tanh terms in it (test_only_the_squares_of_an_expanded...)
     "s1040642467927",  # a row sum recomputed by loops summing it otherwise (test_a_sum_recomputed_for_a_later...)
     "s589969938373",  # a NaN contracted away over an empty axis (test_a_nan_times_an_empty_sum_stays_nan)
+    "s804230096662",  # a bfloat16 product XLA keeps in float32 inside a fused sum (runner._judged_as_written)
 ]
 #: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
 #: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an
@@ -101,7 +102,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
                                             stderr=subprocess.STDOUT, text=True)))
     total = {"programs": 0, "failures": [], "rewrites": collections.Counter(), "excluded": collections.Counter(),
              "modes": collections.Counter(), "fast_flag_only": [], "as_accurate": 0, "overflow": 0, "ill_conditioned": [],
-             "unguarded": [], "fwdrev": []}
+             "unguarded": [], "fwdrev": [], "as_written": []}
     logs = []
     for out, proc in procs:
         log, _ = proc.communicate(timeout=3600)
@@ -117,6 +118,7 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         total["ill_conditioned"] += part.get("ill_conditioned", [])
         total["unguarded"] += part.get("unguarded", [])
         total["fwdrev"] += part.get("fwdrev", [])
+        total["as_written"] += part.get("as_written", [])
         for key in ("rewrites", "excluded", "modes"):
             total[key].update(part[key])
     seconds = time.perf_counter() - start
@@ -136,6 +138,9 @@ def test_seeded_programs_match_jax_jit(tmp_path):
         f"{len(total['unguarded'])}" + "".join(f"\n  {line}" for line in total["unguarded"]),
         f"second derivatives judged forward-over-reverse rounding (the hvp pass's formula matches jax.jit in "
         f"the wider type; README, hvp): {len(total['fwdrev'])}" + "".join(f"\n  {p}" for p in total["fwdrev"]),
+        f"16-bit differences equal to the program evaluated operation by operation in its types (jax.jit's "
+        f"fusions keep 16-bit intermediates in float32): {len(total['as_written'])}"
+        + "".join(f"\n  {p}" for p in total["as_written"]),
         f"differences seen only at {runner.FAST_FLAG} (not failures): {len(total['fast_flag_only'])}"
         + "".join(f"\n  {f['program']}: {f['problem']} ({f['reproduce']})" for f in total["fast_flag_only"]),
         f"fresh seeds this run: {','.join(fresh) or '-'}",
@@ -263,6 +268,27 @@ def test_forward_over_reverse_rounding_is_told_from_a_wrong_second_derivative():
     wrong = [np.array(g) for g in grads_got]
     wrong[0].flat[0] += 0.02 * np.abs(wrong[0]).max()
     assert runner._judged_fwdrev(batch, 0, wrong, grads_want, mine, first) is not None
+
+
+def test_a_16_bit_product_xla_keeps_in_float32_is_judged_against_the_program_as_written():
+    """Fresh seed s804230096662, program 4 (bfloat16: ``sum`` of the outer product of two row sums, split
+    into two loop steps): XLA:CPU fuses the bfloat16 product into jax.jit's float32 sum and never rounds
+    it, so jax.jit is 0.12 from the float32 run and hlopass, which reads the product from memory in
+    bfloat16, 0.53 (beyond the wider-run judge). The program evaluated operation by operation in its own
+    types gives hlopass's value: the judge passes it, and fails the same value moved by a third of the scale."""
+    import numpy as np
+    batch = runner.draw_batch("s804230096662", only=4)
+    assert batch.programs[0].dtype == "bfloat16" and batch.mode == "value"
+    with runner.observed_reports() as reports:
+        got, want, *_ = runner.execute(batch)
+    assert any(r.pass_name == "split" for report in reports for r in report.rewrites)
+    problem = runner.compare(got[0], want[0], "values", "bfloat16")
+    assert problem is not None, "the seed no longer shows the fused product's rounding"
+    assert runner._judged_by_wider_run(batch, 0, got, want, None, None, [], problem) is not None
+    assert runner._judged_as_written(batch, 0, got, None, [], problem) is None
+    wrong = [jax.tree.map(lambda leaf: np.asarray(leaf) + np.asarray(0.6, leaf.dtype), got[0])]
+    verdict = runner._judged_as_written(batch, 0, wrong, None, [], problem)
+    assert verdict is not None and "max error" in verdict
 
 
 def test_a_grid_program_that_rounds_in_its_type_is_not_judged_exact():

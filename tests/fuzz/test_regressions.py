@@ -935,3 +935,33 @@ def test_top_k_after_a_split_cumulative_logsumexp_differs_only_at_exact_ties():
         assert len(differ) > 0, name
         for row, slot in differ:
             assert tie(row, other[row, slot], plain[row, slot]), (name, row, slot)
+
+
+def test_a_bfloat16_product_summed_in_float32_is_rounded_as_written_where_xla_fuses_it_unrounded():
+    """Fresh seed s804230096662, program 4 (bfloat16, round 17's soak): the sum of the outer product of two
+    row sums, ``sum(x, 1)[:, None] * sum(y, 1)[None]``, summed in float32. The product is bfloat16 as
+    written; XLA:CPU fuses it into jax.jit's float32 sum and multiplies in float32 without rounding, so
+    jax.jit gives -1.89 where every product rounded to bfloat16 gives -2.30 (6,437 terms of magnitude up to
+    27 cancelling to 2). hlopass's split loop reads the product from memory, in bfloat16. Plain JAX written
+    by hand shows both: the product computed on its own and then summed gives hlopass's value bit for bit,
+    the product fused into the sum gives jax.jit's (documented deviation: Testing, *The soak round by round*;
+    the fuzzer judges such differences against the program evaluated operation by operation in its types,
+    ``runner._judged_as_written``)."""
+    from tests.fuzz import runner
+    batch = runner.draw_batch("s804230096662", only=4)
+    fn, _ = runner._combined(batch.programs)
+    args = batch.programs[0].make_inputs(runner.lead_axes(batch.mode))
+    ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size)
+    got = float(jax.tree.leaves(ours(*args))[0][0])
+    plain = float(jax.tree.leaves(jax.jit(fn)(*args))[0][0])
+    assert ours.trace(*args).report.rewrites
+
+    def row_sums(v):
+        return jnp.sum(v[0].astype(jnp.float32), 1).astype(jnp.bfloat16)
+
+    a, b = jax.jit(row_sums)(args[0]), jax.jit(row_sums)(args[1])
+    product = jax.jit(lambda a, b: a[:, None] * b[None])(a, b)            # bfloat16 in memory
+    rounded = float(jnp.sum(product.astype(jnp.float32)).astype(jnp.bfloat16))
+    fused = float(jax.jit(lambda a, b: jnp.sum((a[:, None] * b[None]).astype(jnp.float32)).astype(jnp.bfloat16))(a, b))
+    assert got == rounded and plain == fused
+    assert abs(rounded - fused) > 0.3
