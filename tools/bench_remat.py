@@ -23,7 +23,9 @@ is within the limit, the compile time, the best of several calls (after a warm-u
 device; the columns' calls interleaved round by round, the order rotating, so a shared machine's load
 hits them alike),
 the time relative to plain, and the largest difference from plain's gradient relative to that
-gradient's largest entry. The table is printed; ``--json`` writes the rows.
+gradient's largest entry. The table is printed; ``--json`` writes the rows. For the hlopass column a
+line says where its compile went (:func:`compile_stages`: each pass, and XLA compiling the rewritten
+program and the program as written, each alone).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 from jax import lax
 
 import hlopass
+from hlopass import internals as jx
 from hlopass.memory import measure
 from hlopass.sizes import format_size, parse_size
 from tools import harness
@@ -195,28 +198,50 @@ def run_program(key: str, layers: int, width: int, batch: int, limit: int | None
             traced = fn.trace(params, x)
             lowered = traced.lower()
             compiled = lowered.compile()
+        stages = None
         if name == "hlopass":
             check = lowered.memory_check
             notes = [str(r) for p in traced.report.passes for r in (*p.rewrites, *p.skipped)]
+            stages = compile_stages(traced)
+            print(f"  {key:5s} hlopass compile: passes " + ", ".join(f"{k} {v:.2f} s" for k, v in stages["passes"].items()
+                                                                    if v >= 0.005)
+                  + f"; XLA alone: the rewritten program {stages['rewritten_alone_s']:.2f} s, the program as written "
+                    f"{stages['original_alone_s']:.2f} s", flush=True)
         else:
             check, notes = measure(compiled), []
-        built.append((name, compiled, check, notes, clock.seconds))
+        built.append((name, compiled, check, notes, clock.seconds, stages))
     # a warm-up call each, then calls interleaved round by round, best of each column
     timings = harness.time_calls({name: functools.partial(compiled, params, x) for name, compiled, *_ in built},
                                  repeat)
     best = {name: timing.best for name, timing in timings.items()}
     rows, want = [], timings["plain"].out
-    for name, compiled, check, notes, compile_seconds in built:
+    for name, compiled, check, notes, compile_seconds, stages in built:
         seconds, got = best[name], timings[name].out
         rows.append(dict(program=key, title=title, column=name, layers=layers, width=width, batch=batch,
                          limit_bytes=limit, footprint_bytes=check.footprint, temp_bytes=check.temp_bytes,
                          threshold=threshold, fits=check.footprint <= limit, compile_seconds=compile_seconds, seconds=seconds,
-                         ratio_to_plain=seconds / best["plain"], max_rel_diff=harness.relative_difference(got, want), notes=notes))
+                         ratio_to_plain=seconds / best["plain"], max_rel_diff=harness.relative_difference(got, want), notes=notes,
+                         compile_stages=stages))
         print(f"  {key:5s} {name:18s} footprint {format_size(check.footprint):>10s} "
               f"{'fits' if check.footprint <= limit else 'OVER'}  compile {compile_seconds:6.1f} s  "
               f"best {seconds:8.4f} s  x{seconds / best['plain']:5.2f}  diff {rows[-1]['max_rel_diff']:.1e}",
               flush=True)
     return rows
+
+
+def compile_stages(traced) -> dict:
+    """Where the hlopass column's compile goes: each pass's seconds (``passes``; the split's includes
+    compiling its program once to check it against the limit), and XLA compiling the rewritten program
+    and the program as written, each alone (``rewritten_alone_s``, ``original_alone_s``): the floor
+    under hlopass's compile, which compiles the rewritten program once to check it and once to run."""
+    def alone(closed) -> float:
+        lowered = jax.jit(jx.jaxpr_as_fun(closed)).lower(*closed.in_avals)
+        with harness.stopwatch() as clock:
+            lowered.compile()
+        return clock.seconds
+
+    return dict(passes={p.name: p.seconds for p in traced.report.passes},
+                rewritten_alone_s=alone(traced.rewritten_jaxpr), original_alone_s=alone(traced.original_jaxpr))
 
 
 def markdown(rows: list[dict]) -> str:

@@ -1,5 +1,6 @@
 """The remat benchmark (tools/bench_remat.py): its tiny run in a subprocess, every column present, the
-hand-written checkpointing and hlopass's gradients equal to plain's, hlopass within its limit."""
+hand-written checkpointing and hlopass's gradients equal to plain's, hlopass within its limit, and where
+its compile went."""
 
 from __future__ import annotations
 
@@ -27,4 +28,7 @@ def test_tiny_run_writes_every_column_and_hlopass_fits(tmp_path):
         assert any("[remat]" in n and "recomputed" in n for n in mine["hlopass"]["notes"])
         for r in mine.values():
             assert r["max_rel_diff"] < 1e-5 and r["seconds"] > 0 and r["ratio_to_plain"] > 0
+        stages = mine["hlopass"]["compile_stages"]           # where its compile went
+        assert stages["passes"]["remat"] > 0 and stages["rewritten_alone_s"] > 0 and stages["original_alone_s"] > 0
+        assert mine["plain"]["compile_stages"] is None
     assert "| layers in lax.scan | hlopass |" in proc.stdout
