@@ -14,7 +14,8 @@ under way finish). Then each mismatch not yet minimised is shrunk (``runner.mini
 recorded choices replayed towards the simplest while it fails the same way; default XLA flags) and
 classified: by kind (value mismatch, gradient mismatch, crash, pass skipped), by pass (the one that
 raised, or those that rewrote the minimised program), by primitive family and by vocabulary piece.
-``--minimise-only`` does just that on an existing file.
+``--minimise-only`` does just that on an existing file. ``--rejudge`` runs a file's mismatches again with
+this checkout's judge, when the code under test is the soaked commit's (:func:`rejudge_all`).
 
 It soaks the checkout it runs from, with that checkout's own environment (its ``.venv``): it stops
 with an error when the workers would import ``hlopass`` or its passes from elsewhere, and the file
@@ -260,6 +261,54 @@ def minimise_all(state: dict, path: str, budget_s: float) -> None:
         print(f"minimised {m['seed']}/{m['index']}: {m['minimised'].get('program')}", flush=True)
 
 
+#: What draws and runs the programs: a soak's mismatches may be judged again by a later checkout's judge
+#: (``tests/fuzz/runner.py``) only when these are the soaked commit's.
+CODE_UNDER_TEST = ("hlopass", "passes", "pyproject.toml", "tests/fuzz/programs.py", "tests/fuzz/pieces.py",
+                   "tests/fuzz/exclusions.py")
+
+
+def rejudge_all(state: dict, path: str) -> None:
+    """Run each mismatch of ``state`` again with this checkout's fuzzer, whose judge may know more than the
+    soaked commit's (the fuzzer's flags, one program at a time): one that passes now leaves ``mismatches``
+    for ``rejudged``, with the commit that judged it and how (the judged kinds' lists grow with it).
+    Refused unless :data:`CODE_UNDER_TEST` is the soaked commit's: then the same programs ran through the
+    same code, and only the verdict is new."""
+    def git(*words):
+        return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True)
+    head = git("rev-parse", "HEAD").stdout.strip()
+    for run in state.get("code", []):
+        diff = git("diff", "--name-only", run["commit"], "--", *CODE_UNDER_TEST)   # against the working tree
+        if diff.returncode or diff.stdout.strip() or run.get("dirty"):
+            raise SystemExit(f"tools.soak --rejudge: the code under test differs from the soaked commit "
+                             f"{run['commit'][:12]} ({diff.stdout.split() or diff.stderr.strip() or 'dirty'}): "
+                             f"soak this checkout instead")
+    kept = []
+    for m in state["mismatches"]:
+        if m.get("index") is None:      # a chunk that died or timed out: nothing to judge
+            kept.append(m)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "again.json")
+            cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", m["seed"], "--program", str(m["index"]),
+                   "--json", out] + (["--devices", str(m["devices"])] if m.get("devices", 1) > 1 else [])
+            subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=3600)
+            part = json.load(open(out)) if os.path.exists(out) else None
+        if part is None or part["failures"] or part["fast_flag_only"] or not part["programs"]:
+            kept.append(m)
+            print(f"rejudged {m['seed']}/{m['index']}: still a mismatch", flush=True)
+            continue
+        how = [k for k in (*JUDGED, *LISTED) if part.get(k)]
+        for key in JUDGED:
+            state[key] += part.get(key, 0)
+        for key in LISTED:
+            state[key] += [x if isinstance(x, str) else f"{x.get('program')}: {x.get('problem')}"
+                           for x in part.get(key, [])]
+        state.setdefault("rejudged", []).append(dict(m, rejudged_by=head, judged_as=how))
+        print(f"rejudged {m['seed']}/{m['index']}: passes now ({', '.join(how) or 'equal'})", flush=True)
+    state["mismatches"] = kept
+    save_state(path, state)
+
+
 def main(argv=None) -> int:
     """The ``python -m tools.soak`` command; exit status 1 when any fresh program mismatched or crashed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -274,11 +323,17 @@ def main(argv=None) -> int:
     parser.add_argument("--minimise-budget", type=float, default=600.0, help="seconds of shrinking per mismatch")
     parser.add_argument("--no-minimise", dest="minimise", action="store_false")
     parser.add_argument("--minimise-only", action="store_true", help="only minimise the file's mismatches")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="only run the file's mismatches again with this checkout's judge (same code under test)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     state = load_state(args.out, args.programs)
     state["command"] = "python -m tools.soak " + " ".join(argv if argv is not None else sys.argv[1:])
     state["machine"] = {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg()), "nice": os.nice(0)}
+    if args.rejudge:
+        rejudge_all(state, args.out)
+        print(f"{state['programs']} programs, {len(state['mismatches'])} mismatches after judging again")
+        return 1 if state["mismatches"] else 0
     code = code_under_test()
     runs = state.setdefault("code", [])
     if code not in runs:      # a resumed soak that ran other code lists each

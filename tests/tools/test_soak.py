@@ -71,3 +71,26 @@ def test_the_code_soaked_is_this_checkouts_and_is_recorded(monkeypatch, tmp_path
     monkeypatch.setattr(soak, "worker_env", lambda: dict(os.environ, PYTHONPATH=ROOT))
     with pytest.raises(SystemExit, match="not from this checkout"):
         soak.code_under_test()
+
+
+def test_a_mismatch_the_newer_judge_accepts_is_moved_and_the_soaked_code_is_checked(tmp_path):
+    """``--rejudge`` runs a soak file's mismatches again with this checkout's judge: round 17's
+    s804230096662/4 (a bfloat16 product XLA keeps in float32, equal to the program evaluated operation by
+    operation) leaves ``mismatches``; a dead chunk stays; a soak of other (here: uncommitted) code is refused."""
+    import subprocess
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    path = str(tmp_path / "soak.json")
+    state = soak.empty_state(16)
+    state["code"] = [{"commit": head, "dirty": False}]
+    state["mismatches"] = [
+        {"seed": "s804230096662", "index": 4, "devices": 1, "kind": "value mismatch", "problem": "values[0]: off"},
+        {"seed": "s1,s2", "index": None, "devices": 1, "kind": "crash", "problem": "worker timed out (exit -9)"},
+    ]
+    soak.rejudge_all(state, path)
+    assert [m["kind"] for m in state["mismatches"]] == ["crash"]
+    moved = state["rejudged"][0]
+    assert moved["seed"] == "s804230096662" and moved["rejudged_by"] == head and "as_written" in moved["judged_as"]
+    assert state["as_written"] == ["s804230096662/4"] and soak.load_state(path, 16)["rejudged"]
+    state["code"].append({"commit": head, "dirty": True})
+    with pytest.raises(SystemExit, match="differs from the soaked commit"):
+        soak.rejudge_all(state, path)
