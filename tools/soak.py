@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -269,8 +270,9 @@ CODE_UNDER_TEST = ("hlopass", "passes", "pyproject.toml", "tests/fuzz/programs.p
 
 def rejudge_all(state: dict, path: str) -> None:
     """Run each mismatch of ``state`` again with this checkout's fuzzer, whose judge may know more than the
-    soaked commit's (the fuzzer's flags, one program at a time): one that passes now leaves ``mismatches``
-    for ``rejudged``, with the commit that judged it and how (the judged kinds' lists grow with it).
+    soaked commit's (the fuzzer's flags, one program at a time; a chunk that died or timed out, all its
+    programs, with no time limit): one that passes now leaves ``mismatches`` for ``rejudged``, with the
+    commit that judged it and how (the judged kinds' lists grow with it; a chunk's programs are counted).
     Refused unless :data:`CODE_UNDER_TEST` is the soaked commit's: then the same programs ran through the
     same code, and only the verdict is new."""
     def git(*words):
@@ -284,25 +286,30 @@ def rejudge_all(state: dict, path: str) -> None:
                              f"soak this checkout instead")
     kept = []
     for m in state["mismatches"]:
-        if m.get("index") is None:      # a chunk that died or timed out: nothing to judge
-            kept.append(m)
-            continue
+        devices = m.get("devices", 1)
+        whole_chunk = m.get("index") is None    # a chunk that died or timed out: all its programs again, untimed
+        which = (["--size", re.search(r"--size (\d+)", m["reproduce"]).group(1)] if whole_chunk
+                 else ["--program", str(m["index"])])
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "again.json")
-            cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", m["seed"], "--program", str(m["index"]),
-                   "--json", out] + (["--devices", str(m["devices"])] if m.get("devices", 1) > 1 else [])
-            subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=3600)
+            cmd = [sys.executable, "-m", "tests.fuzz.runner", "--seeds", m["seed"], *which,
+                   "--json", out] + (["--devices", str(devices)] if devices > 1 else [])
+            subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True)
             part = json.load(open(out)) if os.path.exists(out) else None
         if part is None or part["failures"] or part["fast_flag_only"] or not part["programs"]:
             kept.append(m)
             print(f"rejudged {m['seed']}/{m['index']}: still a mismatch", flush=True)
             continue
         how = [k for k in (*JUDGED, *LISTED) if part.get(k)]
-        for key in JUDGED:
-            state[key] += part.get(key, 0)
-        for key in LISTED:
-            state[key] += [x if isinstance(x, str) else f"{x.get('program')}: {x.get('problem')}"
-                           for x in part.get(key, [])]
+        if whole_chunk:     # its programs were never counted: they are now, with all they drew
+            merge(state, part, m["seed"].split(","), devices)
+            how.append(f"ran again whole in {part['seconds']:.0f} s")
+        else:
+            for key in JUDGED:
+                state[key] += part.get(key, 0)
+            for key in LISTED:
+                state[key] += [x if isinstance(x, str) else f"{x.get('program')}: {x.get('problem')}"
+                               for x in part.get(key, [])]
         state.setdefault("rejudged", []).append(dict(m, rejudged_by=head, judged_as=how))
         print(f"rejudged {m['seed']}/{m['index']}: passes now ({', '.join(how) or 'equal'})", flush=True)
     state["mismatches"] = kept

@@ -76,7 +76,8 @@ def test_the_code_soaked_is_this_checkouts_and_is_recorded(monkeypatch, tmp_path
 def test_a_mismatch_the_newer_judge_accepts_is_moved_and_the_soaked_code_is_checked(tmp_path):
     """``--rejudge`` runs a soak file's mismatches again with this checkout's judge: round 17's
     s804230096662/4 (a bfloat16 product XLA keeps in float32, equal to the program evaluated operation by
-    operation) leaves ``mismatches``; a dead chunk stays; a soak of other (here: uncommitted) code is refused."""
+    operation) leaves ``mismatches``; so does a timed-out chunk whose programs all pass when run again,
+    and they are counted; a soak of other (here: uncommitted) code is refused."""
     import subprocess
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     path = str(tmp_path / "soak.json")
@@ -84,13 +85,16 @@ def test_a_mismatch_the_newer_judge_accepts_is_moved_and_the_soaked_code_is_chec
     state["code"] = [{"commit": head, "dirty": False}]
     state["mismatches"] = [
         {"seed": "s804230096662", "index": 4, "devices": 1, "kind": "value mismatch", "problem": "values[0]: off"},
-        {"seed": "s1,s2", "index": None, "devices": 1, "kind": "crash", "problem": "worker timed out (exit -9)"},
+        {"seed": "s1,s2", "index": None, "devices": 1, "kind": "crash", "problem": "worker timed out (exit -9)",
+         "reproduce": "python -m tests.fuzz.runner --seeds s1,s2 --size 2 -v"},
     ]
     soak.rejudge_all(state, path)
-    assert [m["kind"] for m in state["mismatches"]] == ["crash"]
-    moved = state["rejudged"][0]
+    assert state["mismatches"] == []
+    moved, chunk = state["rejudged"]
     assert moved["seed"] == "s804230096662" and moved["rejudged_by"] == head and "as_written" in moved["judged_as"]
     assert state["as_written"] == ["s804230096662/4"] and soak.load_state(path, 16)["rejudged"]
+    assert chunk["judged_as"][-1].startswith("ran again whole") and state["programs"] == 4
+    assert state["seeds"] == ["s1", "s2"] and state["chunks"] == 1
     state["code"].append({"commit": head, "dirty": True})
     with pytest.raises(SystemExit, match="differs from the soaked commit"):
         soak.rejudge_all(state, path)
