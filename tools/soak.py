@@ -48,7 +48,7 @@ DEFAULT_OUT = os.path.join(RESULTS, "soak.json")
 FAST_FLAG = "--xla_backend_optimization_level=0"   # tests.fuzz.runner.FAST_FLAG (not imported: no JAX here)
 COUNTERS = ("by_mode", "by_piece", "rewrites", "excluded")
 JUDGED = ("as_accurate", "overflow")
-LISTED = ("fwdrev", "unguarded", "fast_flag_only", "reference_failed", "ill_conditioned", "as_written")
+LISTED = ("fwdrev", "unguarded", "fast_flag_only", "reference_failed", "ill_conditioned", "as_written", "ynn_only")
 
 
 def fresh_seeds(count: int) -> list[str]:

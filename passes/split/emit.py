@@ -74,6 +74,10 @@ class LoopPlan:
     #: steps per iteration of the emitted loop (``fori_loop``'s ``unroll``): fewer iterations, each
     #: of which costs an accelerator a round trip to the host
     steps_per_iteration: int = 1
+    #: a 16-bit product accumulated in float32 is bound on operands converted to float32 (the same
+    #: products and sums): XLA:CPU cannot run a 16-bit dot into float32 for some operand layouts
+    #: ("Unsupported element type for DotThunk::Execute", fresh seed s937818910445)
+    upcast_16_bit_dots: bool = False
 
     @functools.cached_property
     def carried(self) -> list:
@@ -242,6 +246,8 @@ class LoopPlan:
             if monoid == "add" and _is_low_float(eqn.outvars[0].aval.dtype):
                 # partial products stay in float32 until the end, as XLA accumulates one dot
                 params = {**params, "preferred_element_type": jnp.dtype(jnp.float32)}
+                if self.upcast_16_bit_dots:
+                    invals = [x.astype(jnp.float32) if _is_low_float(jnp.result_type(x)) else x for x in invals]
             fused = _thin_dot_as_sum(invals, params) if self.fuse_thin_dots else None
             outs = [fused] if fused is not None else _bind_dot(eqn, invals, params)
         else:

@@ -258,7 +258,7 @@ def _plan(jaxpr, graph, candidate: Candidate, config: Config, report: PassReport
     region = candidate.region
     plan = LoopPlan(jaxpr, region, region.inputs(jaxpr), region.outputs(jaxpr, graph), candidate.chunk,
                     candidate=candidate, grouped_top_k=options.grouped_top_k,
-                    fuse_thin_dots=_on_accelerator(options),
+                    fuse_thin_dots=_on_accelerator(options), upcast_16_bit_dots=jax.default_backend() == "cpu",
                     steps_per_iteration=candidate.per_iteration)
     inner = dataclasses.replace(config, threshold=config.split_size)
 

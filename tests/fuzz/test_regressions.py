@@ -8,6 +8,8 @@ the day the defect is fixed, when the fixer removes the marker (and the exclusio
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -965,3 +967,52 @@ def test_a_bfloat16_product_summed_in_float32_is_rounded_as_written_where_xla_fu
     fused = float(jax.jit(lambda a, b: jnp.sum((a[:, None] * b[None]).astype(jnp.float32)).astype(jnp.bfloat16))(a, b))
     assert got == rounded and plain == fused
     assert abs(rounded - fused) > 0.3
+
+
+def test_a_bfloat16_product_accumulated_by_a_split_runs_on_xla_cpu():
+    """Fresh seed s937818910445, program 0 (round 17's soak; bfloat16, ``jax.vmap`` of ``hlopass.jit``): a
+    split loop accumulating ``v @ W`` over slices of the contraction binds a bfloat16 ``dot_general`` into
+    float32; XLA:CPU cannot run that dot for the layout the vmapped gather gives its operand ("UNIMPLEMENTED:
+    Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"). On CPU the split now converts the
+    16-bit operands to float32 first (the same products and sums)."""
+    from tests.fuzz import runner
+    batch = runner.draw_batch("s937818910445", only=0)
+    assert batch.mode == "vmap_out" and batch.programs[0].dtype == "bfloat16"
+    result = runner.check_batch(batch)
+    assert result["rewrites"]["split:split"] and not result["failures"], result["failures"]
+
+
+def test_xla_cpus_ynn_fusion_of_a_bfloat16_exp_sum_is_checked_without_it():
+    """CI's fresh seed s323714153567, program 0 (bfloat16, ``sum(exp(-sqdist / 2), 1)`` then tanh layers):
+    hlopass gives infinities at some rows, a different count each call. jaxlib 0.10.2's XLA:CPU fuses
+    ``exp(c * x)`` summed along a row into one YNNPACK kernel, and for bfloat16 ``x`` that kernel gives
+    infinities where every value is small: plain JAX written by hand shows it on the split's loop result
+    alone (``jnp.sum(jnp.exp(-0.5 * n), 1)``, ``n`` a bfloat16 input), where the program as written
+    computes ``exp`` inside the distances' own fusion and does not reach it. With the YNN fusions off
+    (``runner.NO_YNN_FLAG``) hlopass equals ``jax.jit``; the fuzzer lists such programs apart
+    (``ynn_only``, not failures) and this test shows the defect is still there (when a jaxlib fixes it,
+    the test asks for the program to pass as it is)."""
+    import subprocess
+    import sys
+    from tests import ROOT
+    from tests.fuzz import runner
+    rng = np.random.default_rng(0)
+    n = jnp.asarray(np.abs(rng.standard_normal((110, 104))) * 10, jnp.bfloat16)
+
+    def by_hand(n):
+        return jnp.sum(jnp.exp(jnp.bfloat16(-0.5) * n).astype(jnp.float32), 1)
+
+    with jax.disable_jit():
+        assert np.isfinite(np.asarray(by_hand(n))).all()
+    fused = np.asarray(jax.jit(by_hand)(n))
+    batch = runner.draw_batch("s323714153567", only=0)
+    if np.isfinite(fused).all():       # fixed in this jaxlib: hlopass must match as it is
+        assert not runner.check_batch(batch)["failures"]
+        return
+    code = ("import sys, jax; from tests.fuzz import runner; b = runner.draw_batch('s323714153567', only=0); "
+            "r = runner.check_batch(b); print(r['rewrites']['split:split'], len(r['failures'])); "
+            "sys.exit(1 if r['failures'] else 0)")
+    env = dict(os.environ, XLA_FLAGS=runner.NO_YNN_FLAG, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert int(done.stdout.split()[-2]) > 0    # the split rewrote it
