@@ -494,15 +494,21 @@ def _widened(a: np.ndarray, jitter: np.random.Generator | None) -> np.ndarray:
     return wide
 
 
-def wider_reference(batch: Batch, index: int, perturb: bool = False):
-    """``jax.jit``'s values (and gradients) of program ``index`` run in the next wider float type
-    (``perturb``: on inputs moved by about one rounding step of their own type)."""
+def _reference_of(batch: Batch, index: int, **how):
+    """The reference run's values (and gradients, in a gradient mode) of program ``index`` alone
+    (``how``: :func:`execute`'s ``widen`` and ``perturb``)."""
     single = dataclasses.replace(batch, programs=[batch.programs[index]])
-    with jax.enable_x64(True):
-        _, want, _, _, _, mode = execute(single, reference_only=True, widen=True, perturb=perturb)
+    _, want, _, _, _, mode = execute(single, reference_only=True, **how)
     if is_gradient_mode(mode):
         return want[0][0], want[1]
     return want[0], None
+
+
+def wider_reference(batch: Batch, index: int, perturb: bool = False):
+    """``jax.jit``'s values (and gradients) of program ``index`` run in the next wider float type
+    (``perturb``: on inputs moved by about one rounding step of their own type)."""
+    with jax.enable_x64(True):
+        return _reference_of(batch, index, widen=True, perturb=perturb)
 
 
 def as_accurate(got, want, wide, jittered, where: str = "") -> str | None:
@@ -778,12 +784,8 @@ def as_written(batch: Batch, index: int):
     """Program ``index``'s values (and gradients, in a gradient mode) evaluated operation by operation
     in its own types (under ``jax.disable_jit``: every intermediate is rounded to its type, where XLA
     may keep a fused 16-bit intermediate in float32)."""
-    single = dataclasses.replace(batch, programs=[batch.programs[index]])
     with jax.disable_jit():
-        _, want, _, _, _, mode = execute(single, reference_only=True)
-    if is_gradient_mode(mode):
-        return want[0][0], want[1]
-    return want[0], None
+        return _reference_of(batch, index)
 
 
 def _judged_as_written(batch, i, got, grads_got, mine, problem) -> str | None:
