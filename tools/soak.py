@@ -124,6 +124,15 @@ def save_state(path: str, state: dict) -> None:
     os.replace(fh.name, path)
 
 
+def add_judged(state: dict, part: dict) -> None:
+    """Add a worker's judged differences (counts and lists, not its failures) to ``state``."""
+    for key in JUDGED:
+        state[key] += part.get(key, 0)
+    for key in LISTED:
+        state[key] += [x if isinstance(x, str) else f"{x.get('program')}: {x.get('problem')}"
+                       for x in part.get(key, [])]
+
+
 def merge(state: dict, part: dict, seeds: list[str], devices: int) -> None:
     """Add one worker's summary (``runner.run_seeds``) to ``state``."""
     state["programs"] += part["programs"]
@@ -143,11 +152,7 @@ def merge(state: dict, part: dict, seeds: list[str], devices: int) -> None:
     for name, count in state["rewrites"].items():
         by_pass[name.split(":")[0]] += count
     state["by_pass"] = dict(by_pass)
-    for key in JUDGED:
-        state[key] += part.get(key, 0)
-    for key in LISTED:
-        state[key] += [x if isinstance(x, str) else f"{x.get('program')}: {x.get('problem')}"
-                       for x in part.get(key, [])]
+    add_judged(state, part)
     for failure in part["failures"]:
         failure = dict(failure, devices=devices, minimised=None)
         failure["traceback"] = failure.get("traceback", "")[-3000:]
@@ -305,11 +310,7 @@ def rejudge_all(state: dict, path: str) -> None:
             merge(state, part, m["seed"].split(","), devices)
             how.append(f"ran again whole in {part['seconds']:.0f} s")
         else:
-            for key in JUDGED:
-                state[key] += part.get(key, 0)
-            for key in LISTED:
-                state[key] += [x if isinstance(x, str) else f"{x.get('program')}: {x.get('problem')}"
-                               for x in part.get(key, [])]
+            add_judged(state, part)
         state.setdefault("rejudged", []).append(dict(m, rejudged_by=head, judged_as=how))
         print(f"rejudged {m['seed']}/{m['index']}: passes now ({', '.join(how) or 'equal'})", flush=True)
     state["mismatches"] = kept
