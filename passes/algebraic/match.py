@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import jax.numpy as jnp
 from hlopass import internals as jx
 
 from hlopass.families import CHAIN, LAYOUT
@@ -65,10 +66,27 @@ class Candidate:
     def build_rewritten(self, *values):
         out = self.eqn.outvars[0].aval
         if self.plan is not None:
-            return [guards.emit_planned(self.plan, self.expansion, list(values), self.output_labels,
-                                        self.expander.label_sizes, tuple(out.shape), out.dtype)]
-        return [emit(self.expansion, list(values), self.output_labels, self.expander.label_sizes,
-                     tuple(out.shape), out.dtype, clamp_at_zero=self.clamp)]
+            total = guards.emit_planned(self.plan, self.expansion, list(values), self.output_labels,
+                                        self.expander.label_sizes, tuple(out.shape), out.dtype)
+        else:
+            total = emit(self.expansion, list(values), self.output_labels, self.expander.label_sizes,
+                         tuple(out.shape), out.dtype, clamp_at_zero=self.clamp)
+        if len(self.expansion.monomials) > 1 and not self.clamp:
+            total = positive_zero(total)
+        return [total]
+
+
+
+def positive_zero(total):
+    """``total`` with every zero made ``+0``.
+
+    The written sum is ``-0`` only where every summand is (IEEE addition of a ``+0``, or of values
+    that cancel, gives ``+0`` in any order), which a sum over many products almost never is; a sum
+    of several einsum terms (``0·a − 0·b``) is ``-0`` where its first term is ``-0`` and the
+    others ``+0``. They compare equal, but XLA's ``top_k`` ranks ``-0`` below ``+0``, and a
+    gradient through it then follows another of the tied entries (fresh seed s802314916978).
+    """
+    return jnp.where(total == 0, jnp.zeros((), total.dtype), total)
 
 
 

@@ -67,6 +67,7 @@ REGRESSION_SEEDS: list[str] = [
     "s804230096662",  # a bfloat16 product XLA keeps in float32 inside a fused sum (runner._judged_as_written)
     "s937818910445",  # a bfloat16 dot into float32 XLA:CPU cannot run (test_a_bfloat16_product_accumulated_...)
     "s323714153567",  # XLA:CPU's YNN fusion of a bfloat16 exp summed (test_xla_cpus_ynn_fusion_of_a_bfloat16_...)
+    "s802314916978",  # an expanded product's -0 ranked apart by top_k (test_an_expanded_product_through_top_k...)
 ]
 #: Fresh seeds per run (``HLOPASS_FUZZ_FRESH``): with the fixed and regression ones, 2,008 programs per run
 #: (64 before the frontier seeds s0-s15 joined the fixed ones: a frontier program costs about 1.5 times an

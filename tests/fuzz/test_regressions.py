@@ -982,6 +982,38 @@ def test_a_bfloat16_product_accumulated_by_a_split_runs_on_xla_cpu():
     assert result["rewrites"]["split:split"] and not result["failures"], result["failures"]
 
 
+def test_an_expanded_product_through_top_k_keeps_the_sign_of_its_zeros():
+    """Fresh seed s802314916978, program 5 (round 17's soak; float32 grid, the gradient of
+    ``top_k(top_k(g @ ((x[:,None] − y[None]) * f), 2))`` under a memory limit): the gradient of ``f`` was
+    66.7 off at a scale of 74. Where ``f[b] == 0`` the row is all zeros: as written each is a sum of 67
+    signed zeros, so ``+0``; the expansion ``f·(g @ x) − f·y·Σg`` gives ``-0`` where its first term is
+    ``-0``. XLA's ``top_k`` ranks ``-0`` below ``+0`` (JAX's sort and argmax do not), so it picked other
+    tied columns and the gradient followed them. The pass now makes the zeros of a sum of several
+    terms ``+0`` (``match.positive_zero``)."""
+    from tests.fuzz import runner
+    batch = runner.draw_batch("s802314916978", only=5)
+    assert batch.mode == "grad_in" and batch.memory_fraction is not None
+    result = runner.check_batch(batch)
+    assert result["rewrites"]["algebraic:expanded_product"] and not result["failures"], result["failures"]
+
+    x, y, f, g = batch.programs[0].make_inputs(())
+    assert int(jnp.sum(f == 0)) > 0
+
+    def fn(x, y, f, g):
+        return jax.lax.top_k(jnp.einsum("a,abc->bc", g, (x[:, None] - y[None]) * f[None, :, None]), 2)
+
+    by_hand = jax.jit(lambda x, y, f, g: jnp.einsum("a,ac,b->bc", g, x, f) - jnp.einsum("a,bc,b->bc", g, y, f))
+    expanded = by_hand(x, y, f, g)
+    assert bool(jnp.any(jnp.signbit(expanded) & (expanded == 0)))   # the expansion's -0 ...
+    plain_values, plain_idx = jax.jit(fn)(x, y, f, g)
+    assert not np.array_equal(jax.lax.top_k(expanded, 2)[1], plain_idx)   # ... moves top_k's choice
+    ours = hlopass.jit(fn, threshold=1000, split_size="off")
+    values, idx = ours(x, y, f, g)
+    assert "expanded_product" in [r.kind for r in ours.trace(x, y, f, g).report.rewrites]
+    np.testing.assert_array_equal(idx, plain_idx)
+    np.testing.assert_allclose(values, plain_values, rtol=1e-5, atol=1e-4)
+
+
 def test_xla_cpus_ynn_fusion_of_a_bfloat16_exp_sum_is_checked_without_it():
     """CI's fresh seed s323714153567, program 0 (bfloat16, ``sum(exp(-sqdist / 2), 1)`` then tanh layers):
     hlopass gives infinities at some rows, a different count each call. jaxlib 0.10.2's XLA:CPU fuses
