@@ -16,7 +16,9 @@ process of its own (``--timeout`` seconds at most):
 - ``adjoint``: ``hlopass.jit`` with ``passes="adjoint"``;
 - ``sharded``: the adjoint pass with the time axis split over 4 host devices
   (``AdjointPass(sequence_axis="x")``, its child started with ``--xla_force_host_platform_device_count=4``):
-  its temp is one device's, to set beside the ``adjoint`` column's.
+  its temp is one device's, to set beside the ``adjoint`` column's;
+- ``sharded2``: the same with two levels of checkpointing in each device's rows
+  (``AdjointPass(sequence_axis="x", levels=2)``: a fraction of the boundary states, one more forward pass).
 
 Each row: XLA temp (``compile().memory_analysis()``), compile seconds, and the call's seconds when it
 runs: a column runs when its temp fits in a third of the machine's memory, or always under the cap
@@ -44,7 +46,7 @@ import time
 
 VOCAB = 64
 SAMPLES = 256
-COLUMNS = ("plain", "ckpt", "remat", "adjoint", "sharded")
+COLUMNS = ("plain", "ckpt", "remat", "adjoint", "sharded", "sharded2")
 SHARDS = 4
 
 
@@ -142,10 +144,11 @@ def build(column: str, T: int, limit: int | None, loop: bool = False):
         return hlopass.jit(grad, passes="remat", memory_limit=limit)
     if column == "adjoint":
         return hlopass.jit(grad, passes="adjoint")
-    if column == "sharded":
+    if column in ("sharded", "sharded2"):
         from hlopass.passes.adjoint import AdjointPass
         mesh = jax.make_mesh((SHARDS,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-        return hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])
+        levels = 2 if column == "sharded2" else None
+        return hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh, levels=levels)])
     raise ValueError(column)
 
 
@@ -171,7 +174,7 @@ def child(column: str, T: int, layers: int, width: int, state: int, repeat: int,
     row.update(temp_bytes=temp, temp=format_size(temp), compile_s=round(compile_s, 3))
     if limit is not None:
         row["memory_limit"] = format_size(limit)
-    if column in ("adjoint", "remat", "sharded"):
+    if column in ("adjoint", "remat", "sharded", "sharded2"):
         row["report"] = [str(r) for r in fn.trace(*args).report.rewrites]
     budget = device_memory_bytes() // 3
     capped = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
@@ -204,14 +207,15 @@ def run(T: int, a, cap: int | None) -> list[dict]:
         if column == "remat":
             plain_temp = rows.get("plain", {}).get("temp_bytes")
             limit = max(plain_temp // 10, 1 << 20) if plain_temp else None
-        runs = not capped or column in ("plain", "adjoint", "sharded")
+        runs = not capped or column in ("plain", "adjoint", "sharded", "sharded2")
         flags = ["--child", column, "--contexts", str(T), "--layers", str(a.layers), "--width", str(a.width),
                  "--state", str(a.state), "--repeat", str(1 if long else a.repeat)]
         flags += ([] if runs else ["--compile-only"]) + ([] if not long else ["--no-warmup"])
         flags += ["--limit", str(limit)] if column == "remat" and limit else []
         flags += ["--python-loop"] if a.python_loop else []
         started = time.perf_counter()
-        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={SHARDS}"} if column == "sharded" else None
+        sharded = column in ("sharded", "sharded2")
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={SHARDS}"} if sharded else None
         result = harness.run_capped(harness.module_argv("bench_adjoint", *flags),
                                     cap if capped and runs else None, timeout=a.timeout, env=env)
         result.setdefault("column", column_name(column, T))
@@ -223,11 +227,12 @@ def run(T: int, a, cap: int | None) -> list[dict]:
         print(f"| {T} | {result['column']} | {result.get('status')} | temp {result.get('temp', '-')} | "
               f"compile {result.get('compile_s', '-')} s | {result.get('seconds') or '-'} s | "
               f"{result.get('error', result.get('note', ''))[:80]} |", flush=True)
-    one, many = rows.get("adjoint", {}), rows.get("sharded", {})
-    if one.get("temp_bytes") and many.get("temp_bytes"):
-        many["temp_vs_adjoint"] = round(many["temp_bytes"] / one["temp_bytes"], 3)
-        if one.get("seconds") and many.get("seconds"):
-            many["seconds_vs_adjoint"] = round(many["seconds"] / one["seconds"], 3)
+    one = rows.get("adjoint", {})
+    for many in (rows.get("sharded", {}), rows.get("sharded2", {})):
+        if one.get("temp_bytes") and many.get("temp_bytes"):
+            many["temp_vs_adjoint"] = round(many["temp_bytes"] / one["temp_bytes"], 3)
+            if one.get("seconds") and many.get("seconds"):
+                many["seconds_vs_adjoint"] = round(many["seconds"] / one["seconds"], 3)
     ref = next((c for c in ("plain", "ckpt", "adjoint") if rows.get(c, {}).get("sample")), "plain")
     for column, row in rows.items():
         want = rows.get(ref, {}).get("sample")

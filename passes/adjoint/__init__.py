@@ -26,7 +26,11 @@ width (stacked layers: backpropagation across layers as usual, the adjoint
 along time within a layer). K balances the states kept at the boundaries
 against a chunk's bytes, measured per step on the jaxpr, at most an eighth of
 ``config.memory_limit`` for the chunk, a divisor of T where one is near;
-``AdjointPass(chunk=K)`` fixes it. A scan outside any region becomes a
+``AdjointPass(chunk=K)`` fixes it. With ``AdjointPass(levels=2)`` (by default
+where one level would keep more than a quarter of the memory limit) the chunks
+run in about sqrt(T/K) groups, each group under ``jax.checkpoint`` too: the
+states at group boundaries are kept, one group's chunk states recomputed in the
+backward pass. A scan outside any region becomes a
 ``custom_vjp`` (:mod:`.emit`) whose forward pass keeps only the carry every K
 steps and whose backward pass, chunk by chunk, recomputes the chunk's states,
 solves the adjoint recursion ``mu_{t-1} = A_t^T mu_t + C_t^T g_t`` backwards
@@ -110,10 +114,18 @@ class AdjointOptions:
     sequence_axis: str | None = None
     #: The mesh holding ``sequence_axis``; ``None``: the one set with ``jax.set_mesh``.
     mesh: Any = None
+    #: Levels of checkpointing in a time region: 1 keeps the states at every chunk boundary; 2 groups
+    #: the chunks (about sqrt(T/K) groups) and keeps the states at group boundaries, recomputing a
+    #: group's chunk states in the backward pass (one more forward pass, far fewer states kept).
+    #: ``None``: 2 where one level would keep more than a quarter of the memory limit, else 1.
+    levels: int | None = None
 
     def __post_init__(self):
         _positive_int("truncate", self.truncate)
         _positive_int("chunk", self.chunk)
+        if self.levels is not None and (isinstance(self.levels, bool) or self.levels not in (1, 2)):
+            raise ConfigError(f"AdjointPass option levels={self.levels!r} is invalid: accepted values are None "
+                              f"(chosen from the memory limit), 1 or 2 (levels of checkpointing in a time region)")
         if self.sequence_axis is not None and (not isinstance(self.sequence_axis, str) or not self.sequence_axis):
             raise ConfigError(f"AdjointPass option sequence_axis={self.sequence_axis!r} is invalid: accepted "
                               f"values are None (one device) or the name of a mesh axis ('x')")

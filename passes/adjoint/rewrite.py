@@ -20,7 +20,7 @@ from .chains import find_chains, roll, rolled_scan
 from .emit import adjoint_scan
 from .sharded import context_mesh, mesh_axis_size, sharded_adjoint_scan, sharded_region
 from .recurrence import Recurrence, body_function, classify
-from .stack import Region, balanced_chunk, chunked_region, find_region, near_divisor
+from .stack import Region, balanced_chunk, chunked_region, find_region, kept_states, near_divisor, nested_groups
 
 logger = logging.getLogger("hlopass")
 
@@ -133,14 +133,30 @@ def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
     return summary, details
 
 
-def _describe_region(jaxpr, region: Region, k: int, steps: int | None = None) -> list[tuple[int, str, tuple]]:
+def region_levels(options, rows: int, k: int, region: Region, memory_limit: int | None) -> int:
+    """Levels of checkpointing for a region of ``rows`` rows in chunks of ``k``: the option if given;
+    else 2 where one level would keep more than a quarter of the memory limit (the boundary states
+    and one chunk's values; a second level keeps about ``2 sqrt(T/K)`` states instead of ``T/K``),
+    else 1."""
+    if options.levels is not None:
+        return options.levels
+    one_level = -(-rows // k) * region.carry_bytes + k * region.row_bytes
+    return 2 if memory_limit is not None and one_level > memory_limit // 4 else 1
+
+
+def _describe_region(jaxpr, region: Region, k: int, steps: int | None = None,
+                     groups: int = 1) -> list[tuple[int, str, tuple]]:
     """One (eqn index, summary, details) per recurrence of ``region`` chunked with ``k`` rows
-    (``steps``: the rows each device runs, when the time axis is sharded; what is kept is per device)."""
+    (``steps``: the rows each device runs, when the time axis is sharded; what is kept is per device;
+    ``groups``: the groups of chunks of a second level of checkpointing)."""
     T = region.length
     steps = T if steps is None else steps
     where = " per device" if steps != T else ""
-    n_kept = -(-steps // k)
+    n_kept = kept_states(steps // k, groups) + (1 if steps % k else 0)
     kept = n_kept * region.carry_bytes
+    per = (steps // k) // groups
+    every = (f"every {k * per} steps and, in the backward pass, those of one group of {per} chunks (two "
+             f"levels of checkpointing: one more forward pass)" if groups > 1 else f"every {k} steps")
     plain = T * region.row_bytes
     ours = kept + k * region.row_bytes
     others = len(region.scans) - 1
@@ -153,12 +169,12 @@ def _describe_region(jaxpr, region: Region, k: int, steps: int | None = None) ->
         summary = (f"linear recurrence over {T} steps, {form}: gradient by the adjoint method (adjoint states "
                    f"by {solver}, per-step VJPs batched over the chunk) in time chunks of {k} steps together "
                    f"with {others} other recurrence{'s' if others != 1 else ''} and {rows} row-wise equations "
-                   f"(layers backpropagated chunk by chunk); keeps the states every {k} steps "
+                   f"(layers backpropagated chunk by chunk); keeps the states {every} "
                    f"({format_size(kept)}{where}) instead of every step's intermediates and T-row values "
                    f"(up to {format_size(plain)}): saves up to {format_size(max(plain - ours, 0))}")
         details = (("form", rec.form), ("length", T), ("chunk", k), ("kept_bytes", kept), ("plain_bytes", plain),
                    ("saved_bytes", max(plain - ours, 0)), ("truncate", None), ("stacked", len(region.scans)),
-                   ("row_equations", rows))
+                   ("row_equations", rows), ("levels", 2 if groups > 1 else 1), ("groups", groups))
         out.append((i, summary, details))
     return out
 
@@ -255,14 +271,15 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
                     options, region.length, [r.form for r in region.scans.values()], region.sources, producers)
                 rows = length if why else length // devices
                 k = balanced_chunk(rows, region.carry_bytes, region.row_bytes, memory_limit, options.chunk)
-                build = (chunked_region(c.jaxpr, region, k, own_machinery) if why else
-                         sharded_region(c.jaxpr, region, k, own_machinery, mesh, axis))
+                groups = nested_groups(rows // k, region_levels(options, rows, k, region, memory_limit))
+                build = (chunked_region(c.jaxpr, region, k, own_machinery, groups) if why else
+                         sharded_region(c.jaxpr, region, k, own_machinery, mesh, axis, groups))
                 sources = [gathered.get(v, v) for v in region.sources] if not why else region.sources
                 reps.append(Replacement(list(region.eqns), sources + region.invariants,
                                         region.rows_out + region.finals, build,
                                         anchor=min(region.scans)))
                 in_region.update(region.eqns)
-                for i, summary, details in _describe_region(c.jaxpr, region, k, rows):
+                for i, summary, details in _describe_region(c.jaxpr, region, k, rows, groups):
                     if not why:
                         summary += (f"; time axis sharded over mesh axis {axis!r} ({devices} "
                                     f"devices, {rows} steps each, run one device after the other; one set of "

@@ -14,7 +14,9 @@ layer of the devices before it; the backward pass runs them in reverse, one set
 of adjoint states crossing each device boundary. Per device, what is kept is
 about ``sqrt(1/D)`` of one device's (boundary states and one chunk's working
 set, each ``sqrt(T c s)``; ``c`` a step's state bytes, ``s`` its
-intermediates) plus a ``D``-th of the rows; the time is one device's.
+intermediates) plus a ``D``-th of the rows; the time is one device's. Two
+levels of checkpointing (``AdjointPass(levels=2)``) shrink the boundary states
+to a few, for one more forward pass.
 
 A diagonal (or complex diagonal) recurrence ``h_t = a_t * h_{t-1} + b_t``
 outside any region becomes a ``shard_map`` of its own
@@ -142,7 +144,8 @@ def sharded_adjoint_scan(step: Callable, num_consts: int, num_carry: int, num_xs
     return f
 
 
-def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) -> Callable[..., list]:
+def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str,
+                   groups: int = 1) -> Callable[..., list]:
     """``build(*sources, *invariants) -> [*rows_out, *finals]``: a time region (:mod:`.stack`) whose
     ``T`` rows are split over ``axis`` of ``mesh``, each device running its ``T/D`` rows ``chunk`` at
     a time (:class:`.stack.RegionRunner`).
@@ -155,7 +158,9 @@ def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) 
     states, those from device ``j+1``, and hands device ``j-1`` the cotangents of its incoming
     states: one set of adjoint states per device boundary. The parameters' cotangents are summed
     over the devices (the ``shard_map``'s transpose); the accumulators' partial results (a loss's
-    sum over time) are gathered and combined once.
+    sum over time) are gathered and combined once. ``groups > 1``: two levels of checkpointing in
+    each device's rows (:meth:`.stack.RegionRunner.run`), so that its VJP keeps the states at group
+    boundaries only.
     """
     devices = mesh_axis_size(mesh, axis)
     rows = region.length // devices
@@ -178,7 +183,7 @@ def sharded_region(jaxpr, region, chunk: int, guard: Callable, mesh, axis: str) 
             vals = every(diff, fixed)
             invals = dict(zip(region.invariants, vals[nb + nt:]))
             return runner.run_blocks(invals, start, runner.initial(invals)[1], vals[:nb], vals[nb:nb + nt],
-                                     rows, chunk)
+                                     rows, chunk, groups)
 
         def primal(start, diff, fixed):
             shapes = jax.eval_shape(local, start, diff, fixed)

@@ -266,6 +266,27 @@ def balanced_chunk(length: int, carry_bytes: int, row_bytes: int, memory_limit: 
     return near_divisor(length, max(1, min(k, length)))
 
 
+def nested_groups(chunks: int, levels: int) -> int:
+    """How many groups of chunks a second level of checkpointing makes of ``chunks`` chunks: 1 for one
+    level; for two, the divisor of ``chunks`` nearest ``sqrt(chunks)`` (within a factor of 2), else
+    ``round(sqrt(chunks))`` groups with the chunks left over run after them. The states kept fall from
+    one per chunk to one per group, plus one group's chunk states while the backward pass is in it."""
+    if levels < 2 or chunks < 4:
+        return 1
+    root = math.sqrt(chunks)
+    near = [d for d in range(max(2, math.ceil(root / 2)), math.floor(2 * root) + 1) if chunks % d == 0]
+    return min(near, key=lambda d: abs(math.log(d / root))) if near else max(2, round(root))
+
+
+def kept_states(chunks: int, groups: int) -> int:
+    """States kept at chunk boundaries with ``groups`` groups (see :func:`nested_groups`): ``chunks``
+    for one level; else one per group and one group's chunks (and the chunks left over)."""
+    if groups <= 1:
+        return chunks
+    per, left = divmod(chunks, groups)
+    return groups + per + left
+
+
 class RegionRunner:
     """The equations of ``region`` run chunk by chunk from given states: what :func:`chunked_region`
     (one device) and :func:`.sharded.sharded_region` (a device's rows of a sharded time axis) share."""
@@ -356,14 +377,17 @@ class RegionRunner:
                 [s[n * k:] for s in srcs] if length % k else [])
 
     def run(self, invals: dict, states: dict, accs: dict, srcs: Sequence, length: int,
-            k: int) -> tuple[dict, dict, list]:
+            k: int, groups: int = 1) -> tuple[dict, dict, list]:
         """``length`` rows of the sources (``srcs``) run ``k`` rows at a time from ``states`` and
         ``accs``: a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk
-        after it. Returns the last states, the accumulators and the ``rows_out`` rows."""
-        return self.run_blocks(invals, states, accs, *self.blocks(srcs, length, k), length, k)
+        after it. Returns the last states, the accumulators and the ``rows_out`` rows. With
+        ``groups > 1`` (:func:`nested_groups`) the chunks run in groups, each group's scan under
+        ``jax.checkpoint`` too: JAX keeps the states at group boundaries and, in the backward pass,
+        recomputes a group's chunk states from them (one more forward pass)."""
+        return self.run_blocks(invals, states, accs, *self.blocks(srcs, length, k), length, k, groups)
 
     def run_blocks(self, invals: dict, states: dict, accs: dict, blocks: Sequence, tails: Sequence,
-                   length: int, k: int) -> tuple[dict, dict, list]:
+                   length: int, k: int, groups: int = 1) -> tuple[dict, dict, list]:
         """:meth:`run` on sources already split by :meth:`blocks` (a region may have none: a
         recurrence with no inputs per step)."""
         n, r = divmod(length, k)
@@ -374,7 +398,21 @@ class RegionRunner:
                 st, ac = carry
                 st, ac, ys = self._chunk(invals, st, ac, src_rows, k)
                 return (st, ac), ys
-            (states, accs), ys = lax.scan(body, (states, accs), list(blocks), length=n)
+
+            def chunks(carry, blocks_, count):
+                return lax.scan(body, carry, list(blocks_), length=count)
+            per, left = divmod(n, groups) if groups > 1 else (n, 0)
+            if groups > 1:
+                grouped = [b[:groups * per].reshape((groups, per) + b.shape[1:]) for b in blocks]
+                carry, ys = lax.scan(jax.checkpoint(lambda c, g: chunks(c, g, per)), (states, accs), grouped,
+                                     length=groups)
+                ys = [y.reshape((groups * per,) + y.shape[2:]) for y in ys]
+                if left:
+                    carry, rest = chunks(carry, [b[groups * per:] for b in blocks], left)
+                    ys = [jnp.concatenate([y, z]) for y, z in zip(ys, rest)]
+                (states, accs) = carry
+            else:
+                (states, accs), ys = chunks((states, accs), blocks, n)
             pieces.append([y.reshape((n * k,) + y.shape[2:]) for y in ys])
         if r:
             last = jax.checkpoint(lambda st, ac, rows_: self._chunk(invals, st, ac, rows_, r))
@@ -384,15 +422,17 @@ class RegionRunner:
         return states, accs, rows_out
 
 
-def chunked_region(jaxpr: jx.Jaxpr, region: Region, k: int, guard: Callable) -> Callable[..., list]:
+def chunked_region(jaxpr: jx.Jaxpr, region: Region, k: int, guard: Callable,
+                   groups: int = 1) -> Callable[..., list]:
     """``build(*sources, *invariants) -> [*rows_out, *finals]``: the region run ``k`` rows at a time
-    (a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk after it)."""
+    (a ``lax.scan`` over chunks, its body under ``jax.checkpoint``, a last partial chunk after it;
+    ``groups``: see :meth:`RegionRunner.run`)."""
     runner = RegionRunner(jaxpr, region, guard)
 
     def build(*vals):
         srcs = list(vals[:len(region.sources)])
         invals = dict(zip(region.invariants, vals[len(region.sources):]))
         states, accs = runner.initial(invals)
-        states, accs, rows_out = runner.run(invals, states, accs, srcs, region.length, k)
+        states, accs, rows_out = runner.run(invals, states, accs, srcs, region.length, k, groups)
         return rows_out + runner.finals(states, accs)
     return build

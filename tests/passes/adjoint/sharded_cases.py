@@ -72,9 +72,10 @@ def rows_after_loss(params, h0s, xs):
     return jnp.sum(jnp.cumsum(ys, 0)[::7] ** 2) + jnp.max(ys) + 0.1 * total + jnp.mean(ys ** 2)
 
 
-def stacked_case(loss, T: int, chunk: int | None = None) -> dict:
+def stacked_case(loss, T: int, chunk: int | None = None, levels: int | None = None) -> dict:
     """Three stacked diagonal layers (float64), time axis over 4 devices: gradients of every input
-    (``chunk``: K within a device's rows, a last partial chunk where it does not divide them)."""
+    (``chunk``: K within a device's rows, a last partial chunk where it does not divide them;
+    ``levels``: the option)."""
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.enable_x64(True):
         k = jax.random.split(jax.random.key(2), 10)
@@ -85,7 +86,7 @@ def stacked_case(loss, T: int, chunk: int | None = None) -> dict:
         xs = jax.random.normal(k[0], (T, P_), "float64")
         grad = jax.grad(loss, (0, 1, 2))
         want = jax.jit(grad)(params, h0s, xs)
-        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh, chunk=chunk)])
+        f = hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh, chunk=chunk, levels=levels)])
         got = f(params, h0s, xs)
         rewrites, skips = _report(f, params, h0s, xs)
     return dict(error=_rel(got, want), rewrites=rewrites, skips=skips)
@@ -164,7 +165,9 @@ def lm_memory_case(T: int = 8192) -> dict:
     grad = jax.grad(make_loss(), (0, 1))
     row = {}
     for name, fn in (("one_device", hlopass.jit(grad, passes="adjoint")),
-                     ("sharded", hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)]))):
+                     ("sharded", hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh)])),
+                     ("sharded_two_levels",
+                      hlopass.jit(grad, passes=[AdjointPass(sequence_axis="x", mesh=mesh, levels=2)]))):
         row[f"temp_{name}"] = int(fn.lower(params, emb, tokens).compile().memory_analysis().temp_size_in_bytes)
     return row
 
@@ -210,6 +213,8 @@ CASES = {
     "stacked_f64": lambda: stacked_case(models.stacked_loss, 92),
     "rows_after_f64": lambda: stacked_case(rows_after_loss, 60),
     "tail_f64": lambda: stacked_case(rows_after_loss, 44, chunk=4),   # 11 rows per device: 4 + 4 + 3
+    # 23 rows per device: 11 chunks of 2 (3 groups of 3, 2 chunks left over) and a last row
+    "two_levels_f64": lambda: stacked_case(rows_after_loss, 92, chunk=2, levels=2),
     "lm_memory": lm_memory_case,
     "no_inputs_f64": no_inputs_case,
     "explicit_f64": explicit_case,

@@ -13,7 +13,7 @@ from hlopass.families import CALLS
 from hlopass.interpreter import inline_calls
 from hlopass.passes.adjoint import AdjointPass
 from hlopass.passes.adjoint.recurrence import classify
-from hlopass.passes.adjoint.stack import balanced_chunk, find_region, near_divisor
+from hlopass.passes.adjoint.stack import balanced_chunk, find_region, kept_states, near_divisor, nested_groups
 
 from . import models
 
@@ -130,3 +130,54 @@ def test_a_recurrence_with_no_inputs_per_step(T):
         f = hlopass.jit(grad, passes=[AdjointPass(chunk=8)])
         _close(f(*args), jax.jit(grad)(*args), "float64")
         assert [e.details["row_equations"] for e in _entries(f.trace(*args).report)] == [4]   # a time region
+
+
+@pytest.mark.parametrize("dtype,T,chunk", [("float64", 97, 7), ("float32", 128, 4), ("float64", 211, None)])
+def test_two_levels_of_checkpointing_equal_jax_grad(dtype, T, chunk):
+    """``levels=2``: the chunks run in groups, each group's scan under ``jax.checkpoint`` too. At 97
+    steps in chunks of 7: 13 chunks (4 groups of 3, one chunk left over) and a last partial chunk."""
+    with jax.enable_x64(dtype == "float64") if dtype == "float64" else contextlib.nullcontext():
+        args = _lm(T, dtype)
+        grad = jax.grad(models.lm_stack, (0, 1))
+        f = hlopass.jit(grad, passes=[AdjointPass(chunk=chunk, levels=2)])
+        _close(f(*args), jax.jit(grad)(*args), dtype)
+        entries = _entries(f.trace(*args).report)
+        k = entries[0].details["chunk"]
+        assert all(e.details["levels"] == 2 and e.details["groups"] == nested_groups(T // k, 2) > 1
+                   for e in entries), entries
+        assert "two levels of checkpointing" in entries[0].summary
+
+
+def test_nested_groups():
+    assert nested_groups(512, 2) in (16, 32) and nested_groups(100, 2) == 10 and nested_groups(512, 1) == 1
+    assert nested_groups(13, 2) == 4 and kept_states(13, 4) == 4 + 3 + 1   # 4 groups of 3, one left over
+    assert nested_groups(3, 2) == 1 and kept_states(3, 1) == 3             # too few chunks to group
+
+
+def test_two_levels_keep_fewer_states():
+    """Short chunks (many boundary states): a second level keeps a fraction of them (XLA's temp)."""
+    args = _lm(4096, "float32", layers=2, width=32, state=8)
+    grad = jax.grad(models.lm_stack, (0, 1))
+    temps = {levels: hlopass.jit(grad, passes=[AdjointPass(chunk=8, levels=levels)]).lower(*args).compile()
+             .memory_analysis().temp_size_in_bytes for levels in (1, 2)}
+    assert temps[2] * 2 < temps[1], temps
+
+
+def test_levels_follow_the_memory_limit():
+    """By default a second level is used where one level would keep more than a quarter of the
+    memory limit; gradients equal jax.grad's either way."""
+    args = _lm(512, "float32", layers=2, width=16, state=8)
+    grad = jax.grad(models.lm_stack, (0, 1))
+    want = jax.jit(grad)(*args)
+    levels = {}
+    for limit in ("64kB", None):
+        f = hlopass.jit(grad, passes="adjoint", memory_limit=limit)
+        _close(f(*args), want, "float32")
+        levels[limit] = {e.details["levels"] for e in _entries(f.trace(*args).report)}
+    assert levels == {"64kB": {2}, None: {1}}, levels
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, "2", 1.5])
+def test_bad_levels_is_config_error(bad):
+    with pytest.raises(hlopass.ConfigError, match="levels="):
+        AdjointPass(levels=bad)
