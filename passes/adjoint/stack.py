@@ -41,6 +41,7 @@ from hlopass import internals as jx
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from hlopass.interpreter import at_source_of, bind_equation
 from hlopass.jaxpr_utils import aval_nbytes
+from hlopass.sharding import conform
 
 from .emit import adjoint_scan
 from .recurrence import Recurrence, body_function
@@ -323,6 +324,8 @@ class RegionRunner:
             else:
                 big = jnp.inf if jnp.issubdtype(aval.dtype, jnp.inexact) else np.iinfo(aval.dtype).max
                 accs[i] = jnp.full(aval.shape, -big if how == "max" else big, aval.dtype)
+            if not self.manual:     # the type the chunks' partial results have (an explicit sharding)
+                accs[i] = conform(accs[i], aval)
         return states, accs
 
     def finals(self, states: dict, accs: dict) -> list:

@@ -391,7 +391,18 @@ def observed_reports():
 def execute(batch: Batch, reference_only: bool = False, widen: bool = False, perturb: bool = False):
     """Run ``batch`` both ways: ``(got, want, reports, float_pos, offsets, mode)``. ``widen`` runs the
     programs on inputs of the next wider float type (16-bit -> float32 -> float64, with x64 on), the
-    reference only (``reference_only``)."""
+    reference only (``reference_only``). A sharded batch whose ``jax.jit`` refuses its explicitly typed
+    values outside their mesh (a vmapped scan or loop) runs again, both ways, with the mesh set."""
+    try:
+        return _execute(batch, reference_only, widen, perturb)
+    except ReferenceFailed:
+        if batch.mode not in SHARDED_MODES:
+            raise
+    with jax.set_mesh(jax.make_mesh((DEVICES,), ("x",))):
+        return _execute(batch, reference_only, widen, perturb)
+
+
+def _execute(batch: Batch, reference_only: bool, widen: bool, perturb: bool):
     programs = batch.programs
     F, offsets = _combined(programs)
     flat = [a for p in programs for a in p.make_inputs(lead_axes(batch.mode))]
