@@ -127,6 +127,8 @@ def _describe(eqn, rec: Recurrence, k: int, options) -> tuple[str, tuple]:
     if options.truncate is not None:
         summary += (f"; TRUNCATED to {options.truncate} steps: the gradient is approximate (the adjoint is "
                     f"not carried across blocks of {options.truncate} steps)")
+    if options.levels == 2:
+        summary += "; levels=2 has no effect here (it groups the chunks of a time region; this scan is on its own)"
     details = (("form", rec.form), ("length", length), ("chunk", k), ("kept_bytes", kept),
                ("plain_bytes", plain), ("saved_bytes", max(plain - ours, 0)),
                ("truncate", options.truncate))

@@ -181,3 +181,14 @@ def test_levels_follow_the_memory_limit():
 def test_bad_levels_is_config_error(bad):
     with pytest.raises(hlopass.ConfigError, match="levels="):
         AdjointPass(levels=bad)
+
+
+def test_levels_on_a_scan_outside_any_region_is_a_report_line():
+    k = jax.random.split(jax.random.key(5), 4)
+    params = tuple(0.5 * jax.random.normal(k[i], (3, 4)) for i in range(3))
+    h0, xs = jnp.zeros((4, 3)), jax.random.normal(k[3], (31, 3))
+    grad = jax.grad(models.shifted_layers, (0, 1, 2))
+    f = hlopass.jit(grad, passes=[AdjointPass(levels=2)])
+    _close(f(params, h0, xs), jax.jit(grad)(params, h0, xs), "float32")
+    entries = _entries(f.trace(params, h0, xs).report)
+    assert entries and all("levels=2 has no effect here" in e.summary for e in entries), entries
