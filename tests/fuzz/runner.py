@@ -644,7 +644,10 @@ def check_batch(batch: Batch, isolate: bool = True) -> dict:
             result["rewrites"].update(sub["rewrites"])
             result.setdefault("reference_failed", []).extend(sub.get("reference_failed", []))
             found |= bool(sub["failures"]) or bool(sub.get("reference_failed"))
-        if not found:
+        # jax.jit refusing the batch whole while every program alone runs both ways and compares (a
+        # sharded batch may mix a program that needs the values' mesh set with one JAX refuses under it:
+        # s406148508680) tests every program: not a finding
+        if not found and not isinstance(err, ReferenceFailed):
             result["failures"].append(_failure(batch, None, f"batch raised, no program alone does: {message}", trace))
         return result
     unguarded = []
