@@ -835,19 +835,20 @@ def test_an_expanded_gradient_through_a_tie_rounds_where_the_written_one_is_zero
         assert float(jnp.max(jnp.abs(g))) <= bound
 
 
-def _prefix_sums_rounded_once(fn):
-    """``jax.jit`` of ``fn`` with its ``lax.cumsum`` s summed in float32 and rounded once to their type:
-    the program as written, by hand, with the prefix sums the split's carried total gives."""
+def _prefix_rounded_once(fn, name: str = "cumsum"):
+    """``fn`` with its ``lax.cumsum`` s (or ``lax.cumprod`` s) computed in float32 and rounded once to
+    their type: the program as written, by hand, with the prefix results the split's carried total
+    gives (patched only while traced: wrap it in ``jax.jit``)."""
     from unittest import mock
-    original = lax.cumsum
+    original = getattr(lax, name)
 
     def rounded_once(x, axis=0, reverse=False):
         return original(x.astype(jnp.float32), axis=axis, reverse=reverse).astype(x.dtype)
 
-    def traced(*args):   # the patch is in place only while this is traced
-        with mock.patch.object(lax, "cumsum", rounded_once):
+    def traced(*args):
+        with mock.patch.object(lax, name, rounded_once):
             return fn(*args)
-    return jax.jit(traced)
+    return traced
 
 
 def test_a_16_bit_prefix_product_rounded_once_moves_a_near_tie_as_plain_jax_does():
@@ -859,20 +860,12 @@ def test_a_16_bit_prefix_product_rounded_once_moves_a_near_tie_as_plain_jax_does
     two largest sums are equal in bfloat16: the softmax gives 0.5 and 0.5 where ``jax.jit`` gives 1.
     Plain JAX with the products computed in float32 and rounded once gives hlopass's result bit for
     bit (documented deviation: a near-tie, Testing, *The soak round by round*)."""
-    from unittest import mock
     from tests.fuzz import runner
     batch = runner.draw_batch("s856116162691", only=0, exclusions=False)
     assert batch.mode == "vmap_out"
     fn, _ = runner._combined(batch.programs)
     args = batch.programs[0].make_inputs(runner.lead_axes(batch.mode))
-    original = lax.cumprod
-
-    def rounded_once(x, axis=0, reverse=False):
-        return original(x.astype(jnp.float32), axis=axis, reverse=reverse).astype(x.dtype)
-
-    def by_hand(*a):
-        with mock.patch.object(lax, "cumprod", rounded_once):
-            return fn(*a)
+    by_hand = _prefix_rounded_once(fn, "cumprod")
     plain = np.asarray(jax.tree.leaves(jax.jit(jax.vmap(fn))(*args))[0], np.float32)
     hand = np.asarray(jax.tree.leaves(jax.jit(jax.vmap(by_hand))(*args))[0], np.float32)
     ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size)
@@ -917,7 +910,7 @@ def test_a_16_bit_prefix_sum_rounded_once_moves_a_near_tie_as_plain_jax_does(see
     args = batch.programs[0].make_inputs(runner.lead_axes(batch.mode))
     assert batch.mode == "value"
     plain = np.asarray(jax.tree.leaves(jax.jit(fn)(*args))[0], np.float32)
-    hand = np.asarray(jax.tree.leaves(_prefix_sums_rounded_once(fn)(*args))[0], np.float32)
+    hand = np.asarray(jax.tree.leaves(jax.jit(_prefix_rounded_once(fn))(*args))[0], np.float32)
     ours = hlopass.jit(fn, threshold=batch.threshold, split_size=batch.split_size)
     got = np.asarray(jax.tree.leaves(ours(*args))[0], np.float32)
     assert ours.trace(*args).report.rewrites
