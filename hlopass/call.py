@@ -31,8 +31,9 @@ from hlopass import sharding
 from hlopass.checked import checked_primitive_call, measured_by_caller, program_name
 from hlopass.families import CHEAP_TO_RECOMPUTE
 from hlopass.jaxpr_utils import aval_nbytes, trace_flat
+from hlopass.memory import deferring_checks
 from hlopass.never_worse import settle
-from hlopass.pipeline import before_linearize, run_pipeline
+from hlopass.pipeline import before_linearize, forget, run_pipeline
 
 hlopass_call_p = jx.Primitive("hlopass_call")
 hlopass_call_p.multiple_results = True
@@ -64,10 +65,16 @@ hlopass_call_p.def_effectful_abstract_eval(_abstract_eval)
 def _lowering(ctx, *args, jaxpr, config, name, notes):
     # the passes see how the jit arguments are sharded, and re-trace inside shard_map with its axes bound
     shardings = sharding.operand_shardings(ctx, args)
-    with sharding.inputs_sharded(sharding.operand_shards(ctx, args), shardings), sharding.manual_context(ctx):
-        result = run_pipeline(jaxpr, config, label=name, notes=notes)
     whole = measured_by_caller.get()
-    if whole is not None and whole.result is None:
+    mine = whole is not None and whole.result is None  # the caller compiles this program whole and measures it
+    with sharding.inputs_sharded(sharding.operand_shards(ctx, args), shardings), sharding.manual_context(ctx):
+        with deferring_checks(mine):
+            result = run_pipeline(jaxpr, config, label=name, notes=notes)
+        if result.unconfirmed and (not mine or result.needs_comparison):
+            # made for a caller that measures, met elsewhere (or to be compared alone): check it now
+            forget(result)
+            result = run_pipeline(jaxpr, config, label=name, notes=notes)
+    if mine:
         whole.result = result
     else:
         settle(result, name, shardings)

@@ -10,6 +10,7 @@ not bound the program, warned about or raised on; then calls take ``jax.jit``'s 
 from __future__ import annotations
 
 import contextvars
+import functools
 import time
 import weakref
 from typing import Callable
@@ -19,7 +20,7 @@ from hlopass import internals as jx
 
 from hlopass.memory import MemoryCheck, enforce, measure
 from hlopass.never_worse import decide
-from hlopass.pipeline import PipelineResult, run_pipeline
+from hlopass.pipeline import PipelineResult, forget, run_pipeline
 
 
 def program_name(name: str) -> str:
@@ -52,7 +53,9 @@ _PLACEMENT_KEYWORDS = frozenset({"in_shardings", "out_shardings", "device", "bac
 class _WholeProgram:
     """Set by :meth:`CheckedJit.check` while it lowers a hlopass function's trace (one
     ``hlopass_call``, lowered first): that program is compiled and measured whole by the caller, so
-    its lowering (:mod:`hlopass.call`) makes no check of its own and hands over its pipeline result."""
+    its lowering (:mod:`hlopass.call`) makes no check of its own and hands over its pipeline result,
+    and its passes leave the compiles that would only confirm a fit to that measurement
+    (:func:`hlopass.memory.deferring_checks`)."""
 
     __slots__ = ("result",)
 
@@ -83,6 +86,7 @@ class CheckedJit:
     def __init__(self, staged, jit_kwargs: dict, config, label: str, on_first_compile=None,
                  plain: Callable | None = None, result: PipelineResult | None = None):
         self.unjitted = staged
+        self.jit_kwargs = dict(jit_kwargs)
         self.jitted = jax.jit(staged, **jit_kwargs)
         self.plain = plain
         self.result = result
@@ -170,6 +174,13 @@ class CheckedJit:
                 measured_by_caller.reset(token)
             if whole is not None:
                 result = whole.result
+            if result is not None and not result.confirm(check):
+                # a pass took its program as fitting and it does not: run the passes again, checking
+                # (a fresh jax.jit: the one above keeps the program it lowered)
+                forget(result)
+                target = jax.jit(_restaged(self.unjitted), **self.jit_kwargs)
+                check, seconds, lowered = self._compile(target.trace(*args, **kwargs))
+                result = None  # settled by its lowering
             if result is not None and not result.settled:
                 if result.needs_comparison and self.plain is not None:
                     plain_check, plain_seconds, plain_lowered = self._compile(self.plain.trace(*args, **kwargs),
@@ -227,6 +238,14 @@ def _bind_here(closed: jx.ClosedJaxpr, args) -> list:
         outs = eqn.primitive.bind(*map(read, eqn.invars), **params)
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
     return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _restaged(staged: Callable) -> Callable:
+    """``staged`` under a new identity, so that ``jax.jit`` traces and lowers it afresh."""
+    @functools.wraps(staged)
+    def again(*args, **kwargs):
+        return staged(*args, **kwargs)
+    return again
 
 
 def _evaluator(closed: jx.ClosedJaxpr, name: str) -> Callable:

@@ -1,8 +1,11 @@
 """Checking a compiled program against the memory limit: XLA's figures for a program compiled on its own
-(:func:`footprint`) and a crude bound that can spare that compile (:func:`upper_bound`)."""
+(:func:`footprint`), a crude bound that can spare that compile (:func:`upper_bound`), and the checks a
+pass leaves to a caller that compiles the whole program anyway (:func:`deferring_checks`)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import logging
@@ -125,6 +128,40 @@ def footprint(closed: jx.ClosedJaxpr, shardings: Sequence[Any] | None = None, *,
 #: pass measures the program it emits, and the final check measures the same program again.
 _measured: dict = {}
 _MEASURED_KEPT = 16
+
+
+#: The passes that took a program as fitting, leaving the check to the caller's compile, while
+#: :func:`deferring_checks` is on; ``None`` while off.
+_deferred: contextvars.ContextVar = contextvars.ContextVar("hlopass_deferred_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferring_checks(enabled: bool):
+    """Run the passes for a caller that compiles the whole program and measures it anyway
+    (``hlopass.jit``'s checked call, ``Lowered.compile``): a pass that would compile its program
+    only to confirm that it fits the limit takes it as fitting (:func:`defer_check`), and the caller
+    runs the passes again, checking, when its measurement is over. Yields the passes that did
+    (``None`` when not ``enabled``: nested lowerings check for themselves)."""
+    token = _deferred.set([] if enabled else None)
+    try:
+        yield _deferred.get()
+    finally:
+        _deferred.reset(token)
+
+
+def defer_check(pass_name: str) -> bool:
+    """Whether ``pass_name`` may take the program it made as fitting the limit without compiling it
+    (then it is recorded as having done so): only under :func:`deferring_checks`."""
+    taken = _deferred.get()
+    if taken is None:
+        return False
+    taken.append(pass_name)
+    return True
+
+
+def checks_deferred() -> tuple[str, ...]:
+    """The passes that took their program as fitting so far in this run of the passes."""
+    return tuple(_deferred.get() or ())
 
 
 def upper_bound(closed, share: Callable[[Any], int] | None = None, *, own_values_only: bool = False) -> int:

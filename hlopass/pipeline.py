@@ -26,6 +26,7 @@ from hlopass import program_cache, progress
 from hlopass.config import Config
 from hlopass.interpreter import inline_calls
 from hlopass.jaxpr_utils import count_equations, largest_values, values_above
+from hlopass.memory import checks_deferred
 from hlopass.pass_base import Pass, ProgramFacts
 from hlopass.report import Note, PassReport, PipelineReport
 from hlopass.sharding import input_shards
@@ -65,6 +66,10 @@ class PipelineResult:
         self.warned = False
         #: the name of this program's entry in the persistent cache (:mod:`hlopass.program_cache`)
         self.cache_key: str | None = None
+        #: the passes that took the program as fitting the limit, leaving the check to the caller's
+        #: compile of the whole program (:func:`hlopass.memory.deferring_checks`); see :meth:`confirm`
+        self.unconfirmed: tuple[str, ...] = ()
+        self._key = None  # its entry in run_pipeline's cache (see forget)
 
     @property
     def original(self) -> jx.ClosedJaxpr:
@@ -93,6 +98,22 @@ class PipelineResult:
             return []
         return values_above(self._rewritten, self.config.threshold)
 
+    def confirm(self, check) -> bool:
+        """Settle the checks the passes left to the caller with its measurement of the whole program:
+        ``False`` when it is over the limit (then :func:`forget` the result and run the passes again,
+        checking); when within, each such pass's report says so, as if it had compiled the program."""
+        if not self.unconfirmed:
+            return True
+        if check.over_limit:
+            return False
+        for pass_report in self.report.passes:
+            if pass_report.name in self.unconfirmed and pass_report.rewrites:
+                pass_report.rewrite("memory_check", "<memory limit>", f"XLA footprint {format_size(check.footprint)} "
+                                    f"within the limit {format_size(check.limit)} (the whole program compiled)",
+                                    footprint=check.footprint, limit=check.limit)
+        self.unconfirmed = ()
+        return True
+
     @property
     def needs_comparison(self) -> bool:
         """Whether XLA's figures must decide between the rewritten and the original program."""
@@ -116,7 +137,16 @@ def run_pipeline(closed: jx.ClosedJaxpr, config: Config, label: str = "function"
     key = (config, tuple(notes), input_shards())
     if key not in per_jaxpr:
         per_jaxpr[key] = _run(closed, config, label, notes, key[2])
+        per_jaxpr[key]._key = key
     return per_jaxpr[key]
+
+
+def forget(result: PipelineResult) -> None:
+    """Drop ``result`` from :func:`run_pipeline`'s cache: the next run of its program runs the passes."""
+    original = result.original
+    per_jaxpr = _cache.get(original) if original is not None else None
+    if per_jaxpr is not None and per_jaxpr.get(result._key) is result:
+        del per_jaxpr[result._key]
 
 
 def placed(config: Config) -> list[Pass]:
@@ -173,6 +203,7 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
     report.largest_after = largest_values(current)
     result = PipelineResult(closed, current, report, config)
     result.cache_key = cache_key  # never_worse.decide stores it when XLA's figures keep the original
+    result.unconfirmed = checks_deferred()
     return result
 
 

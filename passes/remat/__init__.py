@@ -30,7 +30,8 @@ recomputed (source lines), the predicted and measured footprint and the
 predicted extra time.
 
 Leaves alone: programs without a memory limit, programs that fit (the same
-jaxpr object is returned), programs with no backward pass or no residuals,
+jaxpr object is returned; one the split pass took as fitting, leaving the check to the compile of the
+whole program, see :func:`hlopass.memory.deferring_checks`, is taken as fitting here too), programs with no backward pass or no residuals,
 stages with side effects (never recomputed); when no schedule fits, the
 program with the smallest footprint found is kept and the report says so
 (the memory check then warns, or raises ``MemoryLimitError`` under
@@ -45,7 +46,7 @@ from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.jaxpr_utils import dce
-from hlopass.memory import footprint, upper_bound
+from hlopass.memory import checks_deferred, defer_check, footprint, upper_bound
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 from hlopass.sharding import explicit_mesh
@@ -94,6 +95,8 @@ class RematPass(Pass):
         limit = config.memory_limit
         if limit is None or not keeps_residuals(closed) or upper_bound(closed, own_values_only=True) <= limit:
             return closed, PassReport(self.name)
+        if "split" in checks_deferred() and defer_check(self.name):
+            return closed, PassReport(self.name)  # the split took its program as fitting: so does this pass
         key = (structure(closed), config, self)
         if key not in _done:
             _done[key] = self._run(closed, config)

@@ -63,7 +63,7 @@ from hlopass import internals as jx
 
 from hlopass.config import Config
 from hlopass.jaxpr_utils import largest_values
-from hlopass.memory import footprint as measure_alone, upper_bound
+from hlopass.memory import defer_check, footprint as measure_alone, upper_bound
 from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sharding import input_shardings
@@ -85,6 +85,8 @@ class SplitPass(Pass):
     With a memory limit, the split program is compiled and XLA's footprint checked (only when a
     crude upper bound exceeds the limit); while it is over, the split is redone with half the
     threshold and split size, at most ``options.max_retries`` times, and the report says what remains.
+    For a caller that compiles the whole program and measures it anyway (``hlopass.jit``), that
+    compile is the check: the passes run again, checking as above, only when it is over the limit.
     """
 
     name = "split"
@@ -105,6 +107,8 @@ class SplitPass(Pass):
         new, report = self.run_once(closed, config)
         limit = config.memory_limit
         if limit is None or config.threshold is None or not report.rewrites or upper_bound(new, device_bytes(new.jaxpr), own_values_only=True) <= limit:
+            return new, report
+        if defer_check(self.name):  # the caller compiles the whole program and measures it anyway
             return new, report
         retries: list = []
         shardings = _input_shardings(closed)

@@ -4,6 +4,7 @@ and the progress lines of long pass work."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -214,3 +215,64 @@ def test_a_program_measured_again_is_not_compiled_again(monkeypatch):
     assert first.footprint == again.footprint >= 301 * 301 * 4 and not first.over_limit and again.over_limit
     assert again.largest and not first.largest        # the listing for the warning, over the limit only
     assert other.footprint == first.footprint and other is not first
+
+
+# -- a rewrite checked by the compile the call makes anyway -------------------------------------------
+
+def _call_results(label: str) -> list:
+    """The pipeline results of the programs named ``label`` that run_pipeline holds now."""
+    return [r for per in list(pipeline._cache.values()) for r in per.values() if r.report.label.split(".")[-1] == label]
+
+
+def _footprints(monkeypatch) -> list:
+    from hlopass import memory
+    calls = []
+    footprint = memory.footprint
+    monkeypatch.setattr(memory, "footprint", lambda *a, **k: calls.append(a[0]) or footprint(*a, **k))
+    for module in ("hlopass.passes.split", "hlopass.passes.remat", "hlopass.never_worse"):
+        target = importlib.import_module(module)
+        name = "measure_alone" if module.endswith("split") else "footprint"
+        monkeypatch.setattr(target, name, memory.footprint)
+    return calls
+
+
+def test_a_split_that_fits_is_checked_by_the_calls_own_compile(monkeypatch):
+    """Called with a memory limit, the split pass does not compile its program to check it: the call
+    compiles the whole program and measures it anyway. The report says the fit as if it had."""
+    from fixtures.attention import attention
+    calls = _footprints(monkeypatch)
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 2, 384, 16)).astype(np.float32) for i in range(3))
+
+    def deferred_split(q, k, v):
+        return attention(q, k, v)
+
+    f = hlopass.jit(deferred_split, passes="split,remat", threshold="400kB", memory_limit="1MB")
+    np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
+    (check,) = f.memory_checks()
+    assert calls == [] and check.footprint <= 1_000_000
+    (result,) = _call_results("deferred_split")
+    split = next(p for p in result.report.passes if p.name == "split")
+    assert [r.kind for r in split.rewrites].count("split") >= 1
+    (entry,) = [r for r in split.rewrites if r.kind == "memory_check"]
+    assert "the whole program compiled" in entry.summary and entry.details["footprint"] == check.footprint
+    assert result.unconfirmed == ()
+
+
+def test_a_split_over_the_limit_at_the_calls_compile_is_split_again(monkeypatch):
+    """When the call's measurement of a split it took as fitting is over the limit, the passes run
+    again, checking as they do elsewhere: split again until XLA says it fits."""
+    from fixtures.attention import attention
+    calls = _footprints(monkeypatch)
+    q, k, v = (np.random.default_rng(i).standard_normal((1, 2, 384, 16)).astype(np.float32) for i in range(3))
+
+    def split_again(q, k, v):
+        return attention(q, k, v)
+
+    f = hlopass.jit(split_again, passes="split", threshold="1MB", memory_limit="350kB")
+    np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
+    assert f.memory_checks()[0].footprint <= 350_000
+    assert calls, "the second run of the passes compiles its program to check it"
+    (result,) = _call_results("split_again")
+    split = next(p for p in result.report.passes if p.name == "split")
+    assert any(r.kind == "retry" for r in split.rewrites) and any(r.kind == "memory_check" for r in split.rewrites)
+    assert np.array_equal(f(q, k, v), f(q, k, v))  # later calls take the checked program's compiled code
