@@ -28,6 +28,7 @@ def test_tiny_run_writes_every_column_and_hlopass_fits(tmp_path):
         assert any("[remat]" in n and "recomputed" in n for n in mine["hlopass"]["notes"])
         for r in mine.values():
             assert r["max_rel_diff"] < 1e-5 and r["seconds"] > 0 and r["ratio_to_plain"] > 0
+            assert r["first_call_seconds"] > r["first_call_less_run"] > 0
         stages = mine["hlopass"]["compile_stages"]           # where its compile went
         assert stages["passes"]["remat"] > 0 and stages["rewritten_alone_s"] > 0 and stages["original_alone_s"] > 0
         assert mine["plain"]["compile_stages"] is None
