@@ -5,7 +5,8 @@ against the memory limit once per (program, settings):
 
 - a call with concrete arguments (:class:`~hlopass.checked.CheckedJit`: ``hlopass.jit`` functions,
   and the primitive's own implementation, which eager ``jax.grad`` / ``jax.vmap`` reach) compiles
-  the program ahead of time and measures it whole: the compile ``jax.jit`` would make anyway;
+  the program ahead of time and measures it whole: the compile ``jax.jit`` would make anyway, and
+  the check the split and remat passes leave to it (:func:`hlopass.memory.deferring_checks`);
 - anywhere else (under an outer ``jax.jit``, inside another hlopass function, in an ahead-of-time
   ``lower()``), the lowering rule measures the program by compiling it alone (:func:`settle`),
   unless a crude upper bound on its bytes (:func:`~hlopass.memory.upper_bound`) is below half the
