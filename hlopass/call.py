@@ -78,7 +78,7 @@ def _lowering(ctx, *args, jaxpr, config, name, notes):
         whole.result = result
     else:
         settle(result, name, shardings)
-    return jx.core_call_lowering(ctx, *args, name=program_name(name), call_jaxpr=result.program)
+    return jx.core_call_lowering(ctx, *args, name=program_name(name), call_jaxpr=result.to_lower)
 
 
 jx.register_lowering(hlopass_call_p, _lowering, cacheable=False)

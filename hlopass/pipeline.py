@@ -70,6 +70,9 @@ class PipelineResult:
         #: compile of the whole program (:func:`hlopass.memory.deferring_checks`); see :meth:`confirm`
         self.unconfirmed: tuple[str, ...] = ()
         self._key = None  # its entry in run_pipeline's cache (see forget)
+        #: the rewritten program as stored in the persistent cache (exported; see
+        #: :func:`hlopass.program_cache.store_rewritten`), lowered in its place; ``None`` when not stored
+        self.lowered: jx.ClosedJaxpr | None = None
 
     @property
     def original(self) -> jx.ClosedJaxpr:
@@ -90,12 +93,18 @@ class PipelineResult:
         """What goes to XLA: the rewritten program, unless the original was kept."""
         return self._original() if self.kept == "original" else self.jaxpr
 
+    @property
+    def to_lower(self) -> jx.ClosedJaxpr:
+        """:attr:`program`, in the form stored in the persistent cache when it is (the same module in
+        every process that lowers it, which XLA's cache then serves)."""
+        return self.lowered if self.lowered is not None and self.kept != "original" else self.program
+
     @functools.cached_property
     def unbounded(self) -> list[tuple[str, int, str]]:
         """Values of the rewritten program above the threshold (its inputs and outputs aside: a
         temporary as large as an input still adds to what the program holds)."""
-        if not self.changed or self.config.threshold is None:
-            return []
+        if not self.changed or self.config.threshold is None or self.report.from_cache:
+            return []  # (a program read from the cache was stored because it needed no comparison)
         return values_above(self._rewritten, self.config.threshold)
 
     def confirm(self, check) -> bool:
@@ -187,11 +196,13 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
                      format_size(facts.largest_bytes))
         return PipelineResult(closed, None, report, config)
     cache_key = program_cache.key(closed, config, tuple(notes), shards)
-    cached = program_cache.load(cache_key)
-    if cached is not None:  # an earlier process found nothing to rewrite, or kept the program as written
-        cached.label = label
+    cached = program_cache.load(cache_key, closed.in_avals)
+    if cached is not None:  # an earlier process's program: as written, or rewritten and exported
+        cached.report.label = label
         logger.debug("hlopass: %s: the passes' decision read from the persistent cache", label)
-        return PipelineResult(closed, None, cached, config)
+        result = PipelineResult(closed, cached.program, cached.report, config)
+        result.lowered = cached.program
+        return result
     with progress.program(label, [p.name for p in passes]) as work:
         current, rewrote = _run_passes(closed, config, label, notes, passes, facts, report, work)
     if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
@@ -204,7 +215,16 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
     result = PipelineResult(closed, current, report, config)
     result.cache_key = cache_key  # never_worse.decide stores it when XLA's figures keep the original
     result.unconfirmed = checks_deferred()
+    if cache_key is not None and not result.needs_comparison:
+        result.lowered = program_cache.store_rewritten(cache_key, report, current,
+                                                       sharded=shards is not None or _in_manual_context())
     return result
+
+
+def _in_manual_context() -> bool:
+    """Whether the program is lowered inside a ``shard_map`` body (its mesh has manual axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and bool(getattr(mesh, "manual_axes", ()))
 
 
 def _run_passes(closed, config, label, notes, passes, facts, report, work) -> tuple[jx.ClosedJaxpr, bool]:

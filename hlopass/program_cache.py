@@ -10,10 +10,14 @@ files' sizes and times), JAX and jaxlib and the backend. A second process that t
 program finds the entry, skips the passes (and the never-worse comparison), and lowers the program
 as written: the same module as the first process's, which XLA's cache then serves.
 
-Programs the passes rewrote (and kept rewritten) are not stored: a jaxpr cannot be written out,
-so the second process runs the passes again (their result is the same module, so XLA's cache still
-spares the compile). Writing or reading an entry never breaks a call: a failure is logged at debug
-level and the passes run.
+A program the passes rewrote (and that needs no comparison with the program as written) is stored
+too: the rewritten program exported with ``jax.export`` (``<key>.exported``, beside the entry),
+when it can be (one device, no sharded inputs or manual axes, no effects, and the ``flatbuffers``
+package that ``jax.export`` serialises with, in the ``cache`` extra). Both processes then lower the
+exported program (:func:`store_rewritten` hands the first process the same form it stores): the
+second skips the passes and lowers the same module, which XLA's cache serves. Without an export the
+second process runs the passes again. Writing or reading an entry never breaks a call: a failure is
+logged at debug level and the passes run.
 """
 
 from __future__ import annotations
@@ -121,8 +125,18 @@ def key(closed: jx.ClosedJaxpr, config, notes: tuple, shards) -> str | None:
     return digest.hexdigest()
 
 
-def load(name: str | None) -> PipelineReport | None:
-    """The report stored under ``name`` (its passes marked as not run here), or ``None``."""
+@dataclasses.dataclass
+class Entry:
+    """What :func:`load` found: the report, and for a rewritten program the program to lower (the
+    exported one, as a jaxpr of one call), else ``None``: the program goes to XLA as written."""
+
+    report: PipelineReport
+    program: jx.ClosedJaxpr | None = None
+
+
+def load(name: str | None, in_avals=()) -> Entry | None:
+    """The entry stored under ``name`` (its report's passes marked as not run here), or ``None``.
+    ``in_avals``: the program's inputs, at which an exported program is called."""
     folder = cache_dir()
     if name is None or folder is None:
         return None
@@ -130,9 +144,13 @@ def load(name: str | None) -> PipelineReport | None:
     try:
         with open(path, encoding="utf-8") as f:
             entry = json.load(f)
-        if entry.get("format") != FORMAT or entry.get("program") != "as_written":
+        if entry.get("format") != FORMAT or entry.get("program") not in ("as_written", "rewritten"):
             return None
-        return _report_from_dict(entry["report"])
+        program = None
+        if entry["program"] == "rewritten":
+            with open(os.path.join(folder, f"{name}.exported"), "rb") as f:
+                program = _callable_jaxpr(f.read(), in_avals)
+        return Entry(_report_from_dict(entry["report"]), program)
     except FileNotFoundError:
         return None
     except Exception as err:  # noqa: BLE001 - a damaged entry: run the passes
@@ -142,18 +160,58 @@ def load(name: str | None) -> PipelineReport | None:
 
 def store(name: str | None, report: PipelineReport) -> None:
     """Remember under ``name`` that the program goes to XLA as written, with ``report``."""
+    _write(name, {"format": FORMAT, "program": "as_written", "report": report.to_dict()})
+
+
+def store_rewritten(name: str | None, report: PipelineReport, rewritten: jx.ClosedJaxpr,
+                    sharded: bool) -> jx.ClosedJaxpr | None:
+    """Store ``rewritten`` under ``name``, exported, with ``report``; the program to lower in its
+    place (the exported one, as :func:`load` gives it to a later process), or ``None`` when it cannot
+    be exported (``sharded``: its inputs are sharded or it lies in a ``shard_map``) or the cache is off."""
+    if name is None or cache_dir() is None or sharded or jax.device_count() != 1 or rewritten.effects:
+        return None
+    try:
+        from jax import export
+        exported = export.export(jax.jit(jx.jaxpr_as_fun(rewritten)))(*rewritten.in_avals)
+        blob = exported.serialize()
+        program = _callable_jaxpr(blob, rewritten.in_avals)
+    except Exception as err:  # noqa: BLE001 - not exportable (or no flatbuffers): not stored
+        logger.debug("hlopass: the rewritten program is not stored (%s: %s)", type(err).__name__, err)
+        return None
+    if not _write(name, {"format": FORMAT, "program": "rewritten", "report": report.to_dict()},
+                  {".exported": bytes(blob)}):
+        return None
+    return program
+
+
+def _callable_jaxpr(blob: bytes, in_avals) -> jx.ClosedJaxpr:
+    """The jaxpr calling the exported program serialised in ``blob``, at ``in_avals``."""
+    from jax import export
+    exported = export.deserialize(bytearray(blob))
+    return jax.make_jaxpr(exported.call)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals])
+
+
+def _write(name: str | None, entry: dict, beside: dict | None = None) -> bool:
+    """Write ``entry`` as ``<name>.json`` (and each ``beside`` suffix's bytes as ``<name><suffix>``,
+    first); whether it was written."""
     folder = cache_dir()
     if name is None or folder is None:
-        return
-    entry = {"format": FORMAT, "program": "as_written", "report": report.to_dict()}
+        return False
     try:
         os.makedirs(folder, exist_ok=True)
+        for suffix, data in (beside or {}).items():
+            handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(handle, "wb") as f:
+                f.write(data)
+            os.replace(temporary, os.path.join(folder, f"{name}{suffix}"))
         handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(handle, "w", encoding="utf-8") as f:
             json.dump(entry, f, default=_jsonable)
         os.replace(temporary, os.path.join(folder, f"{name}.json"))  # atomic: readers see all or nothing
+        return True
     except Exception as err:  # noqa: BLE001 - the cache must never break a call
         logger.debug("hlopass: could not write to %s: %s: %s", folder, type(err).__name__, err)
+        return False
 
 
 def _jsonable(value: Any):

@@ -4,8 +4,9 @@
     python -m tests.core.cache_child CACHE_DIR PASSES THRESHOLD
 
 calls a small program through ``hlopass.jit`` (the given passes and threshold) and prints one
-``ROW`` JSON line: how many times each test pass ran, the result, ``jax.jit``'s result, and the
-entries under ``CACHE_DIR/hlopass``.
+``ROW`` JSON line: how many times each test pass ran, how many times the pipeline ran passes at all,
+how many of hlopass's compiles XLA's persistent cache served, the result, ``jax.jit``'s result, and
+the entries under ``CACHE_DIR/hlopass``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,23 @@ def main(cache_dir: str, passes: str, threshold: str) -> None:
     import numpy as np
 
     import hlopass
+    from hlopass import pipeline
     from tests.core.spy_pass import RUNS
 
+    ran, hits = [], []
+    run_passes = pipeline._run_passes
+    pipeline._run_passes = lambda *a, **k: ran.append(1) or run_passes(*a, **k)
+    jax.monitoring.register_event_listener(
+        lambda event, **_: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None)
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((300, 3), np.float32), rng.standard_normal((200, 3), np.float32)
     out = hlopass.jit(program, passes=passes, threshold=threshold)(x, y)
+    served = len(hits)
     expected = jax.jit(program)(x, y)
     folder = os.path.join(cache_dir, "hlopass")
     entries = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    print("ROW " + json.dumps({"runs": dict(RUNS), "out": float(out), "expected": float(expected),
-                               "entries": entries}), flush=True)
+    print("ROW " + json.dumps({"runs": dict(RUNS), "pipeline_runs": len(ran), "xla_cache_hits": served,
+                               "out": float(out), "expected": float(expected), "entries": entries}), flush=True)
 
 
 if __name__ == "__main__":

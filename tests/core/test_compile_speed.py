@@ -120,13 +120,34 @@ def test_cache_entry_skips_the_passes(cache_dir):
     assert RUNS["test_spy"] == 2
 
 
-def test_rewritten_programs_are_not_stored(cache_dir):
+def test_rewritten_programs_are_stored_exported(cache_dir):
+    """A rewritten program is stored exported (``jax.export``) beside its report; a later trace of the
+    same program and settings runs no pass, lowers the exported program and gives the same numbers."""
     def rewritten():
         return lambda x, y: jnp.sum(jnp.exp(x[:, None, :] - y[None, :, :]), (1, 2))
-    report = hlopass.jit(rewritten(), passes="split", threshold="10kB").trace(*args()).report
-    assert report.rewrites and not os.path.exists(cache_dir / "hlopass")
-    again = hlopass.jit(rewritten(), passes="split", threshold="10kB").trace(*args()).report
-    assert again.rewrites and not again.from_cache
+    f = hlopass.jit(rewritten(), passes="split", threshold="10kB")
+    report = f.trace(*args()).report
+    assert report.rewrites and not report.from_cache
+    assert sorted(p.suffix for p in (cache_dir / "hlopass").iterdir()) == [".exported", ".json"]
+    again = hlopass.jit(rewritten(), passes="split", threshold="10kB")
+    assert again.trace(*args()).report.from_cache and again.trace(*args()).report.rewrites
+    want = jax.jit(rewritten())(*args())
+    np.testing.assert_allclose(again(*args()), want, rtol=1e-5)
+    np.testing.assert_allclose(f(*args()), want, rtol=1e-5)
+
+
+def test_sharded_or_effectful_rewrites_are_not_stored(cache_dir):
+    from hlopass import pipeline
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(5))
+    report = hlopass.jit(lambda x: x).trace(jnp.ones(5)).report
+    assert program_cache.store_rewritten("k1", report, closed, sharded=True) is None
+    assert not list((cache_dir / "hlopass").glob("k1*"))
+    stored = program_cache.store_rewritten("k2", report, closed, sharded=False)
+    assert stored is not None and stored.out_avals[0].shape == (5,)
+    assert sorted(p.name for p in (cache_dir / "hlopass").glob("k2*")) == ["k2.exported", "k2.json"]
+    effects = jax.make_jaxpr(lambda x: jax.debug.print("{}", x) or x)(jnp.ones(5))
+    assert effects.effects and program_cache.store_rewritten("k3", report, effects, sharded=False) is None
+    assert not pipeline._in_manual_context()
 
 
 def test_no_cache_without_jax_cache_dir():
@@ -155,6 +176,20 @@ def test_second_process_skips_the_passes(tmp_path):
         assert row["out"] == row["expected"]
     third = _child(str(tmp_path), threshold="1MB")  # other settings: the pass runs, a second entry
     assert third["runs"] == {"test_spy": 1} and len(third["entries"]) == 2
+
+
+@pytest.mark.slow
+def test_second_process_skips_the_passes_of_a_rewritten_program(tmp_path):
+    """A split program: the first process runs the passes and stores the program exported; the second
+    runs none, and XLA's persistent cache serves its compile (both lower the exported program)."""
+    first = _child(str(tmp_path), passes="split", threshold="20kB")
+    assert first["pipeline_runs"] == 1 and first["xla_cache_hits"] == 0
+    assert [e.rsplit(".", 1)[1] for e in first["entries"]] == ["exported", "json"]
+    second = _child(str(tmp_path), passes="split", threshold="20kB")
+    assert second["pipeline_runs"] == 0, "the second process ran the passes"
+    assert second["xla_cache_hits"] >= 1, "XLA compiled the program again"
+    for row in (first, second):
+        assert row["out"] == pytest.approx(row["expected"], rel=1e-5)
 
 
 # -- long work shows progress ------------------------------------------------------------------------
