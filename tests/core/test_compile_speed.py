@@ -271,22 +271,33 @@ def _footprints(monkeypatch) -> list:
     return calls
 
 
+_ATTENTION_INPUTS = tuple(np.random.default_rng(i).standard_normal((1, 2, 384, 16)).astype(np.float32)
+                          for i in range(3))
+
+
+def _called_attention(name: str, **settings):
+    """The attention fixture under ``hlopass.jit`` (a function named ``name``) called once, checked
+    against ``jax.jit``; the function and the split pass's report of that call."""
+    from fixtures.attention import attention
+
+    def called(q, k, v):
+        return attention(q, k, v)
+
+    called.__name__ = called.__qualname__ = name
+    f = hlopass.jit(called, **settings)
+    np.testing.assert_allclose(f(*_ATTENTION_INPUTS), jax.jit(attention)(*_ATTENTION_INPUTS), rtol=1e-5, atol=1e-6)
+    (result,) = _call_results(name)
+    return f, next(p for p in result.report.passes if p.name == "split")
+
+
 def test_a_split_that_fits_is_checked_by_the_calls_own_compile(monkeypatch):
     """Called with a memory limit, the split pass does not compile its program to check it: the call
     compiles the whole program and measures it anyway. The report says the fit as if it had."""
-    from fixtures.attention import attention
     calls = _footprints(monkeypatch)
-    q, k, v = (np.random.default_rng(i).standard_normal((1, 2, 384, 16)).astype(np.float32) for i in range(3))
-
-    def deferred_split(q, k, v):
-        return attention(q, k, v)
-
-    f = hlopass.jit(deferred_split, passes="split,remat", threshold="400kB", memory_limit="1MB")
-    np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
+    f, split = _called_attention("deferred_split", passes="split,remat", threshold="400kB", memory_limit="1MB")
     (check,) = f.memory_checks()
     assert calls == [] and check.footprint <= 1_000_000
     (result,) = _call_results("deferred_split")
-    split = next(p for p in result.report.passes if p.name == "split")
     assert [r.kind for r in split.rewrites].count("split") >= 1
     (entry,) = [r for r in split.rewrites if r.kind == "memory_check"]
     assert "the whole program compiled" in entry.summary and entry.details["footprint"] == check.footprint
@@ -296,18 +307,9 @@ def test_a_split_that_fits_is_checked_by_the_calls_own_compile(monkeypatch):
 def test_a_split_over_the_limit_at_the_calls_compile_is_split_again(monkeypatch):
     """When the call's measurement of a split it took as fitting is over the limit, the passes run
     again, checking as they do elsewhere: split again until XLA says it fits."""
-    from fixtures.attention import attention
     calls = _footprints(monkeypatch)
-    q, k, v = (np.random.default_rng(i).standard_normal((1, 2, 384, 16)).astype(np.float32) for i in range(3))
-
-    def split_again(q, k, v):
-        return attention(q, k, v)
-
-    f = hlopass.jit(split_again, passes="split", threshold="1MB", memory_limit="350kB")
-    np.testing.assert_allclose(f(q, k, v), jax.jit(attention)(q, k, v), rtol=1e-5, atol=1e-6)
+    f, split = _called_attention("split_again", passes="split", threshold="1MB", memory_limit="350kB")
     assert f.memory_checks()[0].footprint <= 350_000
     assert calls, "the second run of the passes compiles its program to check it"
-    (result,) = _call_results("split_again")
-    split = next(p for p in result.report.passes if p.name == "split")
     assert any(r.kind == "retry" for r in split.rewrites) and any(r.kind == "memory_check" for r in split.rewrites)
-    assert np.array_equal(f(q, k, v), f(q, k, v))  # later calls take the checked program's compiled code
+    assert np.array_equal(f(*_ATTENTION_INPUTS), f(*_ATTENTION_INPUTS))  # later calls: the checked program
