@@ -136,6 +136,33 @@ def test_rewritten_programs_are_stored_exported(cache_dir):
     np.testing.assert_allclose(f(*args()), want, rtol=1e-5)
 
 
+def test_stored_gradient_programs_give_jax_jits_gradients(cache_dir, monkeypatch):
+    """Under ``jax.jit(jax.grad(...))`` the rewritten hlopass program is stored exported; a fresh function
+    reads it (no pass runs) and its gradients, at sizes no chunk divides, are plain JAX's."""
+    from hlopass import pipeline
+    x = np.random.default_rng(1).standard_normal((301, 7), np.float32)
+    y = np.random.default_rng(2).standard_normal((173, 7), np.float32)
+
+    def loss(x, y):
+        return jnp.sum(jnp.exp(-jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1)) * jnp.arange(173.0))
+
+    def gradient():
+        return jax.jit(jax.grad(hlopass.jit(lambda x, y: loss(x, y), passes="split", threshold="40kB"),
+                                argnums=(0, 1)))
+
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, y)
+    first = gradient()(x, y)
+    assert list((cache_dir / "hlopass").glob("*.exported"))  # the backward program's split
+    runs = []
+    run_passes = pipeline._run_passes
+    monkeypatch.setattr(pipeline, "_run_passes", lambda *a, **k: runs.append(1) or run_passes(*a, **k))
+    second = gradient()(x, y)
+    assert runs == [], "the stored programs' passes ran again"
+    for got in (first, second):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-5)
+
+
 def test_sharded_or_effectful_rewrites_are_not_stored(cache_dir):
     from hlopass import pipeline
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(5))
