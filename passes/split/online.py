@@ -87,9 +87,10 @@ RUNNING = ("max", "min", "or", "and")
 def running_reducers(jaxpr: jx.Jaxpr, region) -> list[int]:
     """Reductions of ``region`` along the split axis whose running value a shift program may read
     (``max``/``min`` of floats, ``or``/``and``: a maximum with its NaN flag)."""
+    eqns = jaxpr.eqns
     return sorted(i for i, monoid in region.reducing.items() if monoid in RUNNING
-                  and jaxpr.eqns[i].primitive.name.startswith("reduce_")
-                  and (monoid in ("or", "and") or jnp.issubdtype(jaxpr.eqns[i].outvars[0].aval.dtype, jnp.floating)))
+                  and eqns[i].primitive.name.startswith("reduce_")
+                  and (monoid in ("or", "and") or jnp.issubdtype(eqns[i].outvars[0].aval.dtype, jnp.floating)))
 
 
 def shift_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[int]:
@@ -97,13 +98,14 @@ def shift_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[
     results of the region's floating ``reduce_max`` es, other such equations, and values computed
     outside the region; in program order. Empty when there are none."""
     producer = graph.producer
-    maxes = {v for i in running_reducers(jaxpr, region) for v in jaxpr.eqns[i].outvars}
+    eqns = jaxpr.eqns
+    maxes = {v for i in running_reducers(jaxpr, region) for v in eqns[i].outvars}
     if not maxes:
         return []  # an equation on a path from the region reads a region value: none is a maximum
     found: set[int] = set()
     between_set = set(between)
-    for i in sorted(between):  # program order: an equation's producers are decided before it
-        eqn = jaxpr.eqns[i]
+    for i in sorted(between_set):  # program order: an equation's producers are decided before it
+        eqn = eqns[i]
         if eqn.effects:
             continue
         ok = True
@@ -127,17 +129,18 @@ def final_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[
     reductions, shift values, other such equations, values from outside): the *final program*, evaluated
     once after the loop (the ``1 / s`` of ``softmax(x) @ V``); in program order."""
     producer = graph.producer
-    sources = {v for i, monoid in region.reducing.items() if monoid in ("add", *RUNNING) for v in jaxpr.eqns[i].outvars}
-    sources |= {v for i in region.shift for v in jaxpr.eqns[i].outvars}
+    eqns = jaxpr.eqns
+    sources = {v for i, monoid in region.reducing.items() if monoid in ("add", *RUNNING) for v in eqns[i].outvars}
+    sources |= {v for i in region.shift for v in eqns[i].outvars}
     if not sources:
         return []
     found: set[int] = set()
     between_set = set(between)
-    for i in sorted(between):  # program order: an equation's producers are decided before it
-        if jaxpr.eqns[i].effects:
+    for i in sorted(between_set):  # program order: an equation's producers are decided before it
+        if eqns[i].effects:
             continue
         ok = True
-        for atom in jaxpr.eqns[i].invars:
+        for atom in eqns[i].invars:
             if not isinstance(atom, jx.Var) or atom in sources:
                 continue
             j = producer.get(atom)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 
 from hlopass import internals as jx
 
@@ -234,32 +235,46 @@ def seed_labels(jaxpr: jx.Jaxpr, seed: int, threshold: int, graph: DataflowGraph
     return labels
 
 
+#: Per dataflow graph (one jaxpr): each equation's dimension map and, per split size, which values are
+#: large; shared by every region grown on it (a planning round grows several per seed).
+_ANSWERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _answers(graph: DataflowGraph, split_size: int) -> tuple[dict, dict]:
+    maps, large = _ANSWERS.setdefault(graph, ({}, {}))
+    return maps, large.setdefault(split_size, {})
+
+
 class _Grower:
     def __init__(self, jaxpr: jx.Jaxpr, graph: DataflowGraph, split_size: int, whole: frozenset[int] = frozenset()):
         self.jaxpr = jaxpr
+        self.eqns = jaxpr.eqns   # a property of Jaxpr: read once
         self.graph = graph
         self.split_size = split_size
         self.whole = whole   # equations computed once outside the region, read as its inputs
         self.share = device_bytes(jaxpr)
-        self.maps: dict[int, DimMap | None] = {}
+        self.maps, self._large = _answers(graph, split_size)
         self._growing: GrowingRegion | None = None   # the region being grown (told each equation added)
 
     def dim_map(self, i: int) -> DimMap:
         if i not in self.maps:
-            self.maps[i] = dim_map(self.jaxpr.eqns[i])
+            self.maps[i] = dim_map(self.eqns[i])
         dm = self.maps[i]
         if dm is None:
-            raise Infeasible(i, f"no split rule for {self.jaxpr.eqns[i].primitive.name}")
+            raise Infeasible(i, f"no split rule for {self.eqns[i].primitive.name}")
         return dm
 
     def large(self, var) -> bool:
-        return self.share(var) > self.split_size
+        found = self._large.get(var)
+        if found is None:
+            found = self._large[var] = self.share(var) > self.split_size
+        return found
 
     def grow(self, seed: int, label) -> SplitRegion:
         region = SplitRegion(seed, set(), 0, {}, {}, {}, {})
         self._growing = self.graph.growing()
         queue = collections.deque([(seed, label)])
-        for _ in range(len(self.jaxpr.eqns) + 1):
+        for _ in range(len(self.eqns) + 1):
             while queue:
                 self._add(region, *queue.popleft(), queue)
             between = self._between(region)
@@ -306,7 +321,7 @@ class _Grower:
 
     def _add_shift_axes(self, region: SplitRegion) -> None:
         for i in region.shift | region.final:
-            eqn = self.jaxpr.eqns[i]
+            eqn = self.eqns[i]
             for var in eqn.outvars:
                 region.var_axis[var] = None
             for pos in range(len(eqn.invars)):
@@ -317,7 +332,7 @@ class _Grower:
             if region.label[i] != label:
                 raise Infeasible(i, "reached along two different axes")
             return
-        eqn = self.jaxpr.eqns[i]
+        eqn = self.eqns[i]
         if i in self.whole:
             raise Infeasible(i, f"{eqn.primitive.name} is read outside the region too and lies on a path "
                                 f"through it (it is computed once, whole)")
@@ -352,22 +367,22 @@ class _Grower:
             producer = self.graph.producer.get(atom)
             if axis is not None and producer is not None and producer not in region.eqns \
                     and producer not in self.whole and (self.large(atom) or self._reads_large(producer)):
-                k = self.jaxpr.eqns[producer].outvars.index(atom)
+                k = self.eqns[producer].outvars.index(atom)
                 queue.append((producer, self.dim_map(producer).outs[k][axis]))
 
     def _reads_large(self, i: int) -> bool:
         """Whether equation ``i`` reads a large value (then its small result is still worth recomputing)."""
-        return any(isinstance(a, jx.Var) and self.large(a) for a in self.jaxpr.eqns[i].invars)
+        return any(isinstance(a, jx.Var) and self.large(a) for a in self.eqns[i].invars)
 
     def _label_of_use(self, j: int, var, axis: int):
         dm = self.dim_map(j)
-        labels = {dm.ins[pos][axis] for pos, atom in enumerate(self.jaxpr.eqns[j].invars) if atom is var}
+        labels = {dm.ins[pos][axis] for pos, atom in enumerate(self.eqns[j].invars) if atom is var}
         if len(labels) != 1:
             raise Infeasible(j, "reads a value along two different axes")
         return labels.pop()
 
     def _label_from_operands(self, region: SplitRegion, j: int):
-        for pos, atom in enumerate(self.jaxpr.eqns[j].invars):
+        for pos, atom in enumerate(self.eqns[j].invars):
             if isinstance(atom, jx.Var) and region.var_axis.get(atom) is not None:
                 return self._label_of_use(j, atom, region.var_axis[atom])
         raise Infeasible(j, "needs a value reduced over the split axis (that would take two passes)")
@@ -388,13 +403,13 @@ class _Grower:
 
     def _check(self, region: SplitRegion) -> None:
         self._add_shift_axes(region)
-        online = {v for i in region.shift | region.final for v in self.jaxpr.eqns[i].outvars}
+        online = {v for i in region.shift | region.final for v in self.eqns[i].outvars}
         if region.shift:
-            online |= {v for i in running_reducers(self.jaxpr, region) for v in self.jaxpr.eqns[i].outvars}
+            online |= {v for i in running_reducers(self.jaxpr, region) for v in self.eqns[i].outvars}
         for i in region.ordered():
             if i in region.final:
                 continue  # reads the loop's results, after it
-            for pos, atom in enumerate(self.jaxpr.eqns[i].invars):
+            for pos, atom in enumerate(self.eqns[i].invars):
                 if isinstance(atom, jx.Var) and atom in region.var_axis:
                     have, want = region.var_axis[atom], region.operand_axis[(i, pos)]
                     if atom in online and want is None:
