@@ -13,7 +13,7 @@ import jax
 from hlopass import internals as jx
 
 from hlopass import settings, sharding
-from hlopass.call import hlopass_call_p
+from hlopass.call import as_lowered, hlopass_call_p
 from hlopass.checked import CheckedJit
 from hlopass.config import Config
 from hlopass.errors import ConfigError
@@ -298,23 +298,35 @@ class Traced:
     @functools.cached_property
     def _result(self):
         eqn = _hlopass_eqn(self._traced.jaxpr)
+        program, used = as_lowered(eqn)   # what the lowering's passes get: dead code removed
         shards, shardings = self.input_shards, self.input_shardings
         if shards is not None:  # the constants come first
             shards = (None,) * (len(eqn.params["jaxpr"].in_avals) - len(shards)) + tuple(shards)
         if shardings is not None and shards is not None:
             shardings = (None,) * (len(shards) - len(shardings)) + tuple(shardings)
+        shards = tuple(s for s, keep in zip(shards, used) if keep) if shards is not None else None
+        shardings = tuple(s for s, keep in zip(shardings, used) if keep) if shardings is not None else None
         with sharding.inputs_sharded(shards, shardings):
-            return run_pipeline(eqn.params["jaxpr"], eqn.params["config"], eqn.params["name"], eqn.params["notes"])
+            return run_pipeline(program, eqn.params["config"], eqn.params["name"], eqn.params["notes"]), used
 
     @property
     def rewritten_jaxpr(self) -> jx.ClosedJaxpr:
-        """The program after the passes."""
-        return self._result.jaxpr
+        """The program after the passes, taking the traced program's inputs (those it does not read too);
+        :attr:`original_jaxpr` itself when no pass rewrote it."""
+        result, used = self._result
+        if not result.changed:
+            return self.original_jaxpr
+        closed = result.jaxpr
+        if all(used):
+            return closed
+        kept = iter(closed.jaxpr.invars)
+        invars = [next(kept) if keep else jx.Var(aval) for keep, aval in zip(used, self.original_jaxpr.in_avals)]
+        return jx.ClosedJaxpr(closed.jaxpr.replace(invars=invars), closed.consts)
 
     @property
     def report(self):
         """The :class:`~hlopass.report.PipelineReport` of the passes."""
-        return self._result.report
+        return self._result[0].report
 
     def lower(self, **kwargs) -> "Lowered":
         return Lowered(self._traced.lower(**kwargs), self, self.config, self.label)

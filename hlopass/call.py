@@ -283,6 +283,15 @@ def _transpose(cts_in, *primals_in, jaxpr, config, name, notes):
 jx.primitive_transposes[hlopass_call_p] = _transpose
 
 
+def as_lowered(eqn) -> tuple[jx.ClosedJaxpr, list[bool]]:
+    """The program a lowering of the ``hlopass_call`` ``eqn`` hands the passes when every result is
+    used, and which inputs it keeps: JAX's dead-code elimination of the enclosing ``jax.jit`` goes
+    through :func:`_dce_rule` first. (``f.trace(x).report`` then reports, and caches, what
+    ``f(x)`` compiles.)"""
+    used_inputs, new_eqn = _dce_rule([True] * len(eqn.outvars), eqn)
+    return new_eqn.params["jaxpr"], used_inputs
+
+
 def _dce_rule(used_outputs, eqn):
     if not any(used_outputs) and not jx.has_effects(eqn):
         return [False] * len(eqn.invars), None

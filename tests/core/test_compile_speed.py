@@ -340,3 +340,53 @@ def test_a_split_over_the_limit_at_the_calls_compile_is_split_again(monkeypatch)
     assert calls, "the second run of the passes compiles its program to check it"
     assert any(r.kind == "retry" for r in split.rewrites) and any(r.kind == "memory_check" for r in split.rewrites)
     assert np.array_equal(f(*_ATTENTION_INPUTS), f(*_ATTENTION_INPUTS))  # later calls: the checked program
+
+
+# -- f.trace(x).report is the report of the program f(x) compiles --------------------------------------
+
+@pytest.mark.parametrize("order", ["call first", "trace first"])
+def test_trace_reports_the_program_the_call_compiles(monkeypatch, order):
+    """JAX's lowering removes dead code before the passes see a program; ``f.trace(x).report`` runs
+    them on the same program: one pipeline run for the call and the trace in either order, one report
+    (a report of the traced program, dead code included, named more equations than were compiled)."""
+    ran = []
+    run_passes = pipeline._run_passes
+    monkeypatch.setattr(pipeline, "_run_passes", lambda *a, **k: ran.append(a[0]) or run_passes(*a, **k))
+
+    def nearest(x, y):
+        d = jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1)
+        unused = jnp.exp(d) @ y  # dead: JAX's lowering drops it
+        del unused
+        return jnp.sum(jnp.min(d, 1))
+
+    x, y = (np.random.default_rng(i).standard_normal((301, 3)).astype(np.float32) for i in range(2))
+    f = hlopass.jit(nearest, passes="split", threshold="40kB")
+    if order == "call first":
+        out = f(x, y)
+        report = f.trace(x, y).report
+    else:
+        report = f.trace(x, y).report
+        out = f(x, y)
+    np.testing.assert_allclose(out, jax.jit(nearest)(x, y), rtol=1e-5)
+    assert len(ran) == 1, "the call and the trace ran the passes on different programs"
+    traced = jax.make_jaxpr(nearest)(x, y)
+    assert report.equations_before == len(ran[0].jaxpr.eqns) < len(traced.jaxpr.eqns)
+    split = next(p for p in report.passes if p.name == "split")
+    assert [r.kind for r in split.rewrites].count("split") == 1
+
+
+def test_rewritten_jaxpr_takes_every_traced_input():
+    """An input the program does not read is dropped from what the passes see (JAX's dead-code
+    elimination) but not from ``f.trace(...).rewritten_jaxpr``, which still takes every input."""
+    def nearest(x, y, ignored):
+        return jnp.sum(jnp.min(jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1), 1))
+
+    x, y = (np.random.default_rng(i).standard_normal((301, 3)).astype(np.float32) for i in range(2))
+    ignored = np.ones(7, np.float32)
+    traced = hlopass.jit(nearest, passes="split", threshold="40kB").trace(x, y, ignored)
+    rewritten = traced.rewritten_jaxpr
+    assert [str(a) for a in rewritten.in_avals] == [str(a) for a in traced.original_jaxpr.in_avals]
+    from hlopass import internals as jx
+    (got,) = jax.jit(jx.jaxpr_as_fun(rewritten))(x, y, ignored)
+    np.testing.assert_allclose(got, jax.jit(nearest)(x, y, ignored), rtol=1e-5)
+    assert "split" in [r.kind for p in traced.report.passes for r in p.rewrites]
