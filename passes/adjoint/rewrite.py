@@ -253,6 +253,10 @@ def rewrite_scans(closed: jx.ClosedJaxpr, memory_limit, options, notes: list[Not
         for i, eqn in enumerate(c.jaxpr.eqns):
             if eqn.primitive.name != "scan":
                 continue
+            if eqn.params["length"] == 0:
+                add(Note(NAME, "skip", source_line(eqn), "a scan of no steps: nothing to differentiate along time",
+                         "scan"))
+                continue
             try:
                 rec = classify(eqn)
             except Exception as err:  # noqa: BLE001 - an unknown body is left alone, never a crash

@@ -115,6 +115,22 @@ def test_nan_and_inf_inputs_as_jit():
         np.testing.assert_array_equal(np.isinf(g), np.isinf(w))
 
 
+@pytest.mark.parametrize("T", [0, 1])
+def test_no_steps_or_one(T):
+    """A recurrence over no steps (an empty sequence: fresh seed s1037644189817 divided by it) is left
+    alone and named; over one step it is rewritten. Gradients equal jax.grad's either way."""
+    layer, params, h0, xs = problem("diagonal", T, "float32")
+    loss = models.loss_of(layer)
+    f = hlopass.jit(jax.grad(loss, ARGNUMS), passes="adjoint")
+    _compare(f(params, h0, xs), jax.jit(jax.grad(loss, ARGNUMS))(params, h0, xs), "float32")
+    report = f.trace(params, h0, xs).report
+    if T == 0:
+        (skip,) = report.skipped
+        assert _kinds(report) == [] and "no steps" in skip.reason and "models.py" in skip.location
+    else:
+        assert not report.skipped
+
+
 @pytest.mark.parametrize("name,reason", [("nonlinear", "non-linear in the state (through tanh)"),
                                          ("gated", "feeds a comparison")])
 def test_nonlinear_left_alone_and_named(name, reason):
