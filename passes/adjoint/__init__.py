@@ -55,7 +55,7 @@ truncated one differs (``truncation_errors``).
 Leaves alone: scans whose carry update is not linear in the carry
 (``tanh(W h + x)``, a state feeding a comparison or a branch, a product of
 the state with itself), integer or boolean carries (counters), reverse
-scans, scans with side effects, scans inside ``custom_jvp``/``custom_vjp``
+scans, scans of no steps, scans with side effects, scans inside ``custom_jvp``/``custom_vjp``
 bodies (JAX differentiates those by their rules) and programs never
 differentiated in reverse mode: each such scan is named in the report with
 the reason. Equations that mix rows of the time axis (a shift, a cumulative
