@@ -16,6 +16,11 @@ class SplitOptions:
     even_chunk_fraction: float = 2 / 3
     #: Times the split is redone with half the sizes while XLA's footprint is over the memory limit.
     max_retries: int = 4
+    #: Plannings one search for values to recompute (``recompute_where_it_helps``) may spend; past it the
+    #: search keeps what it found and says so in the report. The split tests spend at most 8; a
+    #: 2,090-equation gradient under a memory limit planned copies for over 30 minutes (fresh seed
+    #: s443980463653, program 4; ``test_the_recompute_search_stops_at_its_budget``).
+    max_recompute_plannings: int = 32
     #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
     live_budget: float = 1.0
     #: Inside a step, reductions over a last axis this short are unrolled (0: never; see ``unroll.py``)...

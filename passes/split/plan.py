@@ -330,16 +330,38 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
     separate what one loop could not do in one pass, which is not what nests a loop (on the split and remat
     tests they never removed one; on a Transformer step they were 0.4 s of the split's 1.25 s)."""
     sweeps = (True, False) if failures else (True,)
+    budget = _Budget(options.max_recompute_plannings)
     for online in sweeps:
         current, plans, failures = _recompute_staged(current, plans, failures, config, report, options, broken,
-                                                     online, split_level)
-        if _score(plans, failures) == (0, 0):
+                                                     online, split_level, budget)
+        if _score(plans, failures) == (0, 0) or budget.spent:
             break
+    unsplit, nested = _score(plans, failures)
+    if budget.spent and (unsplit or nested):
+        report.skip("<recomputation search>", "split",
+                    f"the search for values to recompute stopped after {budget.plannings} plannings "
+                    f"(SplitOptions.max_recompute_plannings), {unsplit} regions left unsplit and {nested} "
+                    f"split in nested loops: what it found so far is kept")
     return current, plans, failures
 
 
+class _Budget:
+    """Plannings left to one recomputation search."""
+
+    def __init__(self, plannings: int):
+        self.plannings, self.left = plannings, plannings
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0
+
+    def plan(self, jaxpr, config, report, options, broken, split_level):
+        self.left -= 1
+        return plan_round(jaxpr, DataflowGraph(jaxpr), config, report, options, broken, split_level=split_level)
+
+
 def _recompute_staged(current, plans, failures, config: Config, report: PassReport, options: SplitOptions,
-                      broken: set, online: bool, split_level: SplitLevel):
+                      broken: set, online: bool, split_level: SplitLevel, budget: _Budget):
     memo: list = [None, None, None]   # the last jaxpr asked about (kept alive), its staging and candidates
 
     def staging_of(jaxpr) -> Staging:
@@ -364,7 +386,7 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
     failed: set = set()
     improved = False
     for _ in range(len(current.jaxpr.eqns)):
-        if _score(plans, failures) == (0, 0):
+        if _score(plans, failures) == (0, 0) or budget.spent:
             break
         pending = [v for v in candidates_of(current.jaxpr) if v not in failed]
         if not pending:
@@ -375,14 +397,13 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
             continue
         var = pending[0]
         staged = staging_of(current.jaxpr).recompute(current, var, origins)
-        staged_plans, staged_failures = plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
-                                                   options, broken, split_level=split_level)
+        staged_plans, staged_failures = budget.plan(staged.jaxpr, config, report, options, broken, split_level)
         if better(staged, staged_plans, staged_failures):
             current, plans, failures = staged, staged_plans, staged_failures
             improved = True
         else:
             failed.add(var)
-    if _score(plans, failures) != (0, 0):  # values whose copies only help together (a gradient reading several of them again)
+    if _score(plans, failures) != (0, 0) and not budget.spent:  # values whose copies only help together (a gradient reading several of them again)
         # each value of the program as written copied once: copies of copies grew a gradient of 525
         # equations past 10,000 and its planning past minutes (fresh seed s720060993994)
         staged, copied_once = current, set()
@@ -396,8 +417,7 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
             copied_once.add(origins.get(candidates[0], candidates[0]))
             staged = copied
         if staged is not current:
-            staged_plans, staged_failures = plan_round(staged.jaxpr, DataflowGraph(staged.jaxpr), config, report,
-                                                       options, broken, split_level=split_level)
+            staged_plans, staged_failures = budget.plan(staged.jaxpr, config, report, options, broken, split_level)
             if better(staged, staged_plans, staged_failures):
                 current, plans, failures = staged, staged_plans, staged_failures
     return current, plans, failures

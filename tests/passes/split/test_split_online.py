@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hlopass import stablehlo
+from hlopass.passes.split import SplitOptions, SplitPass
 from tests.passes.split.helpers import assert_close, split_jit, split_rewrites
 
 THRESHOLD = 16_000
@@ -319,6 +320,30 @@ def test_dot_product_attention_gradient():
     check_online(padded_attention, q, k, v, grad_argnums=(0, 1, 2))
     grad = jax.grad(lambda *a: jnp.sum(attention(*a) ** 2), argnums=(0, 1, 2))
     check_online(grad, q, k, v)
+
+
+def test_the_recompute_search_stops_at_its_budget():
+    """The search for values to recompute plans once per copy it tries; it stops at
+    ``SplitOptions.max_recompute_plannings``, keeps what it found and says so. Here it needs 5: at 4
+    a loop is left nested, its values 4 times the split size and still equal to ``jax.jit``'s. (A
+    2,090-equation gradient under a memory limit planned copies for over 30 minutes: fresh seed
+    s443980463653, program 4.)"""
+    q, k, v = attention_inputs()
+    grad = jax.grad(lambda *a: jnp.sum(attention(*a) ** 2), argnums=(0, 1, 2))
+    want = jax.jit(grad)(q, k, v)
+
+    def lowered(budget):
+        return split_jit(grad, THRESHOLD, passes=[SplitPass(max_recompute_plannings=budget)]).lower(q, k, v)
+
+    def stops(low):
+        return [s.reason for s in low.report.skipped if s.location == "<recomputation search>"]
+
+    whole, stopped = lowered(SplitOptions().max_recompute_plannings), lowered(4)
+    assert not stops(whole), whole.report
+    assert own_largest(whole, (q, k, v), want) <= 1.5 * THRESHOLD
+    assert stops(stopped) and all("stopped after 4 plannings" in r for r in stops(stopped)), stopped.report
+    assert own_largest(stopped, (q, k, v), want) > 2 * THRESHOLD
+    _close(stopped.compile()(q, k, v), want, 2e-5, 2e-5)
 
 
 # -- random softmax-shaped programs (hypothesis) ----------------------------------------------------
