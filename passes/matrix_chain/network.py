@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -200,16 +201,26 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     ``Network.shared_eqns`` (the original multiply-adds count them once).
     """
     jaxpr = graph.jaxpr
+    link = links(graph)
     absorbed = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        if not is_link(eqn):
+        if not link[i]:
             continue
         for atom in eqn.invars:
-            if isinstance(atom, jx.Var) and (_joins_consumer(graph, atom, i) or atom in inline):
+            if isinstance(atom, jx.Var) and (_joins_consumer(graph, atom, i, link) or atom in inline):
                 absorbed[atom] = graph.producer[atom]
+    # A chain without a product is no network; unless it recomputes a shared result (whose
+    # multiply-adds the first chain built counts), building it only to find that is wasted.
+    # Producers come before their readers, so one sweep in order fills both.
+    has_dot, shares = [False] * len(jaxpr.eqns), [False] * len(jaxpr.eqns)
+    for i, eqn in enumerate(jaxpr.eqns):
+        if link[i]:
+            reads = [a for a in eqn.invars if isinstance(a, jx.Var) and a in absorbed]
+            has_dot[i] = eqn.primitive.name == "dot_general" or any(has_dot[absorbed[a]] for a in reads)
+            shares[i] = any(a in inline or shares[absorbed[a]] for a in reads)
     networks, charged = [], set()
     for i, eqn in enumerate(jaxpr.eqns):
-        if is_link(eqn) and eqn.outvars[0] not in absorbed:
+        if link[i] and eqn.outvars[0] not in absorbed and (has_dot[i] or shares[i]):
             try:
                 network = _NetworkBuilder(jaxpr, absorbed, inline, charged).build(i)
             except Exception as err:  # noqa: BLE001 - one unreadable chain must not cost the others
@@ -221,14 +232,26 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     return networks
 
 
+_links: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def links(graph) -> list[bool]:
+    """:func:`is_link` of each of the graph's equations (computed once per graph: the inlining
+    search extracts the chains once per candidate)."""
+    found = _links.get(graph)
+    if found is None:
+        found = _links[graph] = [is_link(eqn) for eqn in graph.jaxpr.eqns]
+    return found
+
+
 def shareable(graph) -> list:
     """Results of links used more than once, only by links, and not returned: the boundaries
     that could instead be recomputed inside each chain that reads them."""
+    link = links(graph)
     found = []
     for var, i in graph.producer.items():
         uses = graph.uses(var)
-        if (len(uses) > 1 and is_link(graph.eqn(i)) and not graph.is_output(var)
-                and all(is_link(graph.eqn(j)) for j in uses)):
+        if len(uses) > 1 and link[i] and not graph.is_output(var) and all(link[j] for j in uses):
             found.append(var)
     return found
 
@@ -277,11 +300,10 @@ def _cached_optimal_multiply_adds(subscripts: str, sizes: tuple, search_limit: i
     return path_cost(network, optimal_path(network, search_limit=search_limit)).multiply_adds
 
 
-def _joins_consumer(graph, atom, consumer: int) -> bool:
+def _joins_consumer(graph, atom, consumer: int, link: list[bool]) -> bool:
     if not isinstance(atom, jx.Var) or atom not in graph.producer:
         return False
-    producer = graph.eqn(graph.producer[atom])
-    return is_link(producer) and graph.uses(atom) == [consumer] and not graph.is_output(atom)
+    return link[graph.producer[atom]] and graph.uses(atom) == [consumer] and not graph.is_output(atom)
 
 
 class _NetworkBuilder:
