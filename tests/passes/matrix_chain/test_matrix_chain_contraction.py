@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hlopass.passes.matrix_chain.network import (contract, contract_optimally, extract_networks, network_from_subscripts,
                                   optimal_path, path_cost)
+from hlopass import internals as jx
 from hlopass.graph import DataflowGraph
 
 
@@ -124,3 +125,51 @@ def test_contract_promotes_like_matmul(dtypes):
     a = jnp.ones((4, 5), dtypes[0])
     b = jnp.ones((5, 3), dtypes[1])
     assert contract_optimally("ij,jk->ik", a, b).dtype == (a @ b).dtype
+
+
+def _every_root_built(graph, inline):
+    """``extract_networks`` as it was before it skipped chains: a builder for every root."""
+    from hlopass.passes.matrix_chain import network as nw
+    absorbed = {}
+    for i, eqn in enumerate(graph.jaxpr.eqns):
+        if nw.is_link(eqn):
+            for atom in eqn.invars:
+                if isinstance(atom, jx.Var) and (nw._joins_consumer(graph, atom, i, nw.links(graph))
+                                                       or atom in inline):
+                    absorbed[atom] = graph.producer[atom]
+    networks, charged = [], set()
+    for i, eqn in enumerate(graph.jaxpr.eqns):
+        if nw.is_link(eqn) and eqn.outvars[0] not in absorbed:
+            network = nw._NetworkBuilder(graph.jaxpr, absorbed, inline, charged).build(i)
+            if network is not None:
+                networks.append(network)
+    return networks
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.sampled_from(["dot", "scale", "transpose", "tanh"]), st.integers(0, 99),
+                              st.integers(0, 99)), min_size=1, max_size=14),
+       chosen=st.integers(0, 2**16))
+# a shared scaling (value 2) recomputed by a chain without a product (value 3, read by tanh) before one
+# with a product (value 5): the first chain built is charged for it
+@example(ops=[("scale", 0, 0), ("scale", 2, 0), ("tanh", 3, 0), ("dot", 2, 1)], chosen=1)
+def test_chains_without_a_product_are_skipped_without_changing_any_network(ops, chosen):
+    """Skipping chains without a product (and shared results) leaves every network as building every
+    chain gives it, multiply-adds charged to shared products included."""
+    from hlopass.passes.matrix_chain.network import shareable
+
+    def program(a, b):
+        values = [a, b]
+        for op, i, j in ops:
+            x, y = values[i % len(values)], values[j % len(values)]
+            values.append({"dot": lambda: x @ y, "scale": lambda: 2.0 * x, "transpose": lambda: x.T,
+                           "tanh": lambda: jnp.tanh(x)}[op]())
+        return values[-1], values[len(values) // 2]
+
+    a = np.ones((3, 3), np.float32)
+    graph = DataflowGraph(jax.make_jaxpr(program)(a, a))
+    candidates = shareable(graph)
+    inline = frozenset(v for k, v in enumerate(candidates) if chosen >> k & 1)
+    summary = lambda nets: [(n.root, n.subscripts, n.original_multiply_adds, n.eqns, n.shared_eqns)  # noqa: E731
+                            for n in nets]
+    assert summary(extract_networks(graph, inline)) == summary(_every_root_built(graph, inline))
