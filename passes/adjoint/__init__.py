@@ -188,9 +188,12 @@ class AdjointPass(Pass):
         forward chain too). Any other program has no recurrence this pass would replace."""
         if self.options != AdjointOptions():
             return False
-        names = {e.primitive.name for e in iter_eqns(closed.jaxpr)}
-        return any(_transposed_scan(e) for e in iter_eqns(closed.jaxpr)) or (
-            "add_any" in names and linear_chains_only(closed))   # add_any: a reverse-mode derivative
+        names = set()
+        for e in iter_eqns(closed.jaxpr):
+            if _transposed_scan(e):
+                return True
+            names.add(e.primitive.name)
+        return "add_any" in names and linear_chains_only(closed)   # add_any: a reverse-mode derivative
 
     @contextlib.contextmanager
     def retrace_context(self, config: Config, notes: list[Note]):

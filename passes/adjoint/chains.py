@@ -79,7 +79,8 @@ class Chain:
 
 
 def _key(eqn) -> tuple:
-    shapes = lambda vs: tuple((getattr(v.aval, "shape", None), str(getattr(v.aval, "dtype", ""))) for v in vs)  # noqa: E731
+    # dtypes as themselves: hashable and compared as their names are, and naming them was most of the cost
+    shapes = lambda vs: tuple((getattr(v.aval, "shape", None), getattr(v.aval, "dtype", None)) for v in vs)  # noqa: E731
     return eqn.primitive.name, shapes(eqn.invars), shapes(eqn.outvars)
 
 
