@@ -32,6 +32,14 @@ class DataflowGraph:
             for var in eqn.outvars:
                 self.producer[var] = i
         self.outvars = {v for v in self.jaxpr.outvars if isinstance(v, jx.Var)}
+        self._derived: dict = {}
+
+    def derived(self, key, compute):
+        """A fact about this graph that a pass computes once, ``compute(self)``, and reads often: kept
+        with the graph under ``key`` (a name the pass owns), so it lives exactly as long as the graph."""
+        if key not in self._derived:
+            self._derived[key] = compute(self)
+        return self._derived[key]
 
     @functools.cached_property
     def graph(self) -> nx.DiGraph:

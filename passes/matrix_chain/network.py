@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -232,16 +231,10 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     return networks
 
 
-_links: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def links(graph) -> list[bool]:
     """:func:`is_link` of each of the graph's equations (computed once per graph: the inlining
     search extracts the chains once per candidate)."""
-    found = _links.get(graph)
-    if found is None:
-        found = _links[graph] = [is_link(eqn) for eqn in graph.jaxpr.eqns]
-    return found
+    return graph.derived("matrix_chain.links", lambda g: [is_link(eqn) for eqn in g.jaxpr.eqns])
 
 
 def shareable(graph) -> list:

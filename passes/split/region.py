@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import weakref
 
 from hlopass import internals as jx
 
@@ -235,13 +234,10 @@ def seed_labels(jaxpr: jx.Jaxpr, seed: int, threshold: int, graph: DataflowGraph
     return labels
 
 
-#: Per dataflow graph (one jaxpr): each equation's dimension map and, per split size, which values are
-#: large; shared by every region grown on it (a planning round grows several per seed).
-_ANSWERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _answers(graph: DataflowGraph, split_size: int) -> tuple[dict, dict]:
-    maps, large = _ANSWERS.setdefault(graph, ({}, {}))
+    """Each equation's dimension map and, per split size, which values are large: kept with the graph
+    (one jaxpr), shared by every region grown on it (a planning round grows several per seed)."""
+    maps, large = graph.derived("split.answers", lambda g: ({}, {}))
     return maps, large.setdefault(split_size, {})
 
 

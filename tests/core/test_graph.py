@@ -57,3 +57,16 @@ def test_growing_region_follows_each_added_equation(steps, picks):
         assert list(found) == want and bool(found) == bool(want)
         if want:
             assert found[0] == want[0] and len(found) == len(want)
+
+
+def test_derived_facts_are_computed_once_per_graph():
+    jaxpr = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)
+    calls = []
+
+    def count(graph):
+        calls.append(graph)
+        return len(graph.jaxpr.eqns)
+
+    first, second = DataflowGraph(jaxpr), DataflowGraph(jaxpr)
+    assert [first.derived("n", count), first.derived("n", count), second.derived("n", count)] == [2, 2, 2]
+    assert calls == [first, second]
