@@ -152,6 +152,10 @@ trace_to_jaxpr_dynamic = _pe.trace_to_jaxpr_dynamic
 dce_jaxpr = _pe.dce_jaxpr
 convert_constvars_jaxpr = _pe.convert_constvars_jaxpr
 new_jaxpr_eqn = _pe.new_jaxpr_eqn
+#: ``primitive -> rule(constants or None per operand, params, out_avals) -> values | None``: what tracing
+#: folds when an operand is a constant (``convert_element_type`` of a literal)
+const_fold_rules = _pe.const_fold_rules
+is_literalable = _core.is_literalable
 has_effects = _pe.has_effects
 cached_call_dce = _pe._cached_closed_call_dce
 partial_eval_jaxpr_nounits_fwd = _pe.partial_eval_jaxpr_nounits_fwd

@@ -171,7 +171,7 @@ def inline_calls_everywhere(closed: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     The passes run after JAX has differentiated the program, so a custom rule's body is the
     computation; inlining lets the matcher read values inside it and see who reads its results.
     """
-    return inline_calls(closed, INLINABLE, deep=True, name="algebraic")
+    return inline_calls(closed, INLINABLE, deep=True)
 
 
 
