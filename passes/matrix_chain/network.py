@@ -188,8 +188,10 @@ def _unit_axis_map(eqn) -> list[int | None] | None:
     return [source.get(d) for d in range(len(out_shape))]
 
 
-def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
-    """Every maximal chain in a :class:`~hlopass.graph.DataflowGraph` with at least one ``dot_general``.
+def extract_networks(graph, inline: frozenset = frozenset(), within: Sequence[int] | None = None) -> list[Network]:
+    """Every maximal chain in a :class:`~hlopass.graph.DataflowGraph` with at least one ``dot_general``
+    (only those among the equations ``within``, in order, when given: a union of :func:`link_components`,
+    where a chain and every chain it shares a result with lie).
 
     An equation's result joins its consumer's chain only when it is read
     exactly once, by a link, and is not an output of the jaxpr; otherwise it
@@ -201,8 +203,10 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     """
     jaxpr = graph.jaxpr
     link = links(graph)
+    order = range(len(jaxpr.eqns)) if within is None else within
     absorbed = {}
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i in order:
+        eqn = jaxpr.eqns[i]
         if not link[i]:
             continue
         for atom in eqn.invars:
@@ -212,13 +216,15 @@ def extract_networks(graph, inline: frozenset = frozenset()) -> list[Network]:
     # multiply-adds the first chain built counts), building it only to find that is wasted.
     # Producers come before their readers, so one sweep in order fills both.
     has_dot, shares = [False] * len(jaxpr.eqns), [False] * len(jaxpr.eqns)
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i in order:
+        eqn = jaxpr.eqns[i]
         if link[i]:
             reads = [a for a in eqn.invars if isinstance(a, jx.Var) and a in absorbed]
             has_dot[i] = eqn.primitive.name == "dot_general" or any(has_dot[absorbed[a]] for a in reads)
             shares[i] = any(a in inline or shares[absorbed[a]] for a in reads)
     networks, charged = [], set()
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i in order:
+        eqn = jaxpr.eqns[i]
         if link[i] and eqn.outvars[0] not in absorbed and (has_dot[i] or shares[i]):
             try:
                 network = _NetworkBuilder(jaxpr, absorbed, inline, charged).build(i)
@@ -235,6 +241,34 @@ def links(graph) -> list[bool]:
     """:func:`is_link` of each of the graph's equations (computed once per graph: the inlining
     search extracts the chains once per candidate)."""
     return graph.derived("matrix_chain.links", lambda g: [is_link(eqn) for eqn in g.jaxpr.eqns])
+
+
+def link_components(graph) -> dict[int, tuple[int, ...]]:
+    """``link -> the links connected to it by reads`` (in order), computed once per graph. A chain,
+    the shared results it may recompute and the other chains that read them lie in one component,
+    so recomputing a result inside its readers changes the chains of its component alone."""
+    def compute(g) -> dict[int, tuple[int, ...]]:
+        link = links(g)
+        parent = list(range(len(g.jaxpr.eqns)))
+
+        def find(i):
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i, eqn in enumerate(g.jaxpr.eqns):
+            if link[i]:
+                for atom in eqn.invars:
+                    j = g.producer.get(atom) if isinstance(atom, jx.Var) else None
+                    if j is not None and link[j]:
+                        parent[find(j)] = find(i)
+        members = collections.defaultdict(list)
+        for i in range(len(g.jaxpr.eqns)):
+            if link[i]:
+                members[find(i)].append(i)
+        return {i: tuple(group) for group in members.values() for i in group}
+    return graph.derived("matrix_chain.components", compute)
 
 
 def shareable(graph) -> list:
@@ -262,12 +296,16 @@ def shared_worth_inlining(graph, cost=None, max_candidates: int = 32,
         return inline
     current = _costs_by_root(extract_networks(graph, inline), cost)
     for var in candidates:
-        trial = _costs_by_root(extract_networks(graph, inline | {var}), cost)
-        changed = {root for root in current.keys() | trial.keys() if current.get(root) != trial.get(root)}
-        before = sum(current[root][1] for root in changed if root in current)
+        component = link_components(graph)[graph.producer[var]]
+        trial = _costs_by_root(extract_networks(graph, inline | {var}, within=component), cost)
+        members = set(component)
+        mine = {root: c for root, c in current.items() if root in members}
+        changed = {root for root in mine.keys() | trial.keys() if mine.get(root) != trial.get(root)}
+        before = sum(mine[root][1] for root in changed if root in mine)
         after = sum(trial[root][1] for root in changed if root in trial)
         if after < before and after * min_gain <= before:
-            inline, current = inline | {var}, trial
+            inline = inline | {var}
+            current = {root: c for root, c in current.items() if root not in members} | trial
     return inline
 
 

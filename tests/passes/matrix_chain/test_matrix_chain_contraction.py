@@ -173,3 +173,56 @@ def test_chains_without_a_product_are_skipped_without_changing_any_network(ops, 
     summary = lambda nets: [(n.root, n.subscripts, n.original_multiply_adds, n.eqns, n.shared_eqns)  # noqa: E731
                             for n in nets]
     assert summary(extract_networks(graph, inline)) == summary(_every_root_built(graph, inline))
+
+
+def _whole_level_choice(graph, cost):
+    """``shared_worth_inlining`` as it was before it weighed each candidate in its own component:
+    every chain of the level extracted again for every candidate."""
+    from hlopass.passes.matrix_chain.network import shareable
+    costs = lambda nets: {n.root: (n.subscripts, cost(n)) for n in nets}  # noqa: E731
+    inline = frozenset()
+    current = costs(extract_networks(graph, inline))
+    for var in shareable(graph)[:32]:
+        trial = costs(extract_networks(graph, inline | {var}))
+        changed = {r for r in current.keys() | trial.keys() if current.get(r) != trial.get(r)}
+        before = sum(current[r][1] for r in changed if r in current)
+        after = sum(trial[r][1] for r in changed if r in trial)
+        if after < before:
+            inline, current = inline | {var}, trial
+    return inline
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.sampled_from(["dot", "scale", "transpose", "tanh", "row"]), st.integers(0, 99),
+                              st.integers(0, 99)), min_size=1, max_size=16),
+       salt=st.integers(0, 1000))
+# two shared products (values 2 and 6) in two components: taking the first must keep the costs of the
+# second's component
+@example(ops=[("dot", 0, 1), ("dot", 2, 0), ("dot", 2, 1), ("tanh", 3, 0), ("dot", 1, 0), ("dot", 6, 0),
+              ("dot", 6, 1)], salt=0)
+def test_weighing_a_shared_product_in_its_component_chooses_as_the_whole_level_does(ops, salt):
+    """Each candidate is weighed by extracting only its component's chains: the same choice as
+    extracting the whole level per candidate, under the real costs and under made-up ones (which
+    take and refuse candidates in every combination, or take all of them)."""
+    from hlopass.passes.matrix_chain.network import link_components, shared_worth_inlining
+
+    def program(a, b, r):
+        values = [a, b]
+        for op, i, j in ops:
+            x, y = values[i % len(values)], values[j % len(values)]
+            values.append({"dot": lambda: x @ y, "scale": lambda: 2.0 * x, "transpose": lambda: x.T,
+                           "tanh": lambda: jnp.tanh(x), "row": lambda: r @ (x @ y)}[op]())
+        return values[-1], values[len(values) // 2], values[len(values) // 3]
+
+    a = np.ones((5, 5), np.float32)
+    graph = DataflowGraph(jax.make_jaxpr(program)(a, a, np.ones((5, 5), np.float32)))
+    arbitrary = lambda n: (sum(map(ord, n.subscripts)) * 7919 + salt * (1 + len(n.eqns))) % 101  # noqa: E731
+    for cost in (None, arbitrary, lambda n: 1):  # the last takes every candidate: one chain fewer
+        reference_cost = cost or (lambda n: __import__(
+            "hlopass.passes.matrix_chain.network", fromlist=["x"])._optimal_multiply_adds(n))
+        assert shared_worth_inlining(graph, cost) == _whole_level_choice(graph, reference_cost)
+    summary = lambda nets: [(n.root, n.subscripts, n.original_multiply_adds, n.eqns, n.shared_eqns)  # noqa: E731
+                            for n in nets]
+    for component in set(link_components(graph).values()):
+        whole = [n for n in extract_networks(graph) if n.root in component]
+        assert summary(extract_networks(graph, within=component)) == summary(whole)
