@@ -138,6 +138,14 @@ def find_chains(jaxpr: jx.Jaxpr) -> list[Chain]:
     chains: list[Chain] = []
     taken_until = -1
     last = None
+    same: dict[tuple[int, int], bool] = {}   # (x, p): eqns x and x + p have the same parameters
+    refused: set[tuple[int, int, int]] = set()   # (offset, period, steps) that _verify turned down
+
+    def same_as_next(x: int, p: int) -> bool:
+        if (x, p) not in same:
+            same[x, p] = _same_params(eqns[x].params, eqns[x + p].params)
+        return same[x, p]
+
     for s, p in _candidates(keys):
         if s < taken_until:
             continue
@@ -150,20 +158,26 @@ def find_chains(jaxpr: jx.Jaxpr) -> list[Chain]:
             steps = (b - o) // p
             if steps < MIN_STEPS:
                 break
+            if (o, p, steps) in refused:  # the keys of one run of steps give it as many candidates
+                continue
             last = last if last is not None else last_uses(jaxpr)
             try:
-                chain = _verify(jaxpr, o, p, steps, last)
+                chain = _verify(jaxpr, o, p, steps, last, same_as_next)
             except Exception:  # noqa: BLE001 - equations this matcher does not understand: no chain
                 chain = None
-            if chain is not None:
+            if chain is None:
+                refused.add((o, p, steps))
+            else:
                 chains.append(chain)
                 taken_until = chain.end
                 break
     return chains
 
 
-def _verify(jaxpr: jx.Jaxpr, o: int, p: int, steps: int, last: dict) -> Chain | None:
-    """The chain of ``steps`` periods of ``p`` equations from ``o``, if they are wired as one."""
+def _verify(jaxpr: jx.Jaxpr, o: int, p: int, steps: int, last: dict, same_as_next) -> Chain | None:
+    """The chain of ``steps`` periods of ``p`` equations from ``o``, if they are wired as one.
+    ``same_as_next(x, p)``: whether equations ``x`` and ``x + p`` have the same parameters (remembered
+    by the caller: the candidates it tries overlap)."""
     eqns = jaxpr.eqns
     end = o + p * steps
     produced: dict = {}
@@ -187,10 +201,9 @@ def _verify(jaxpr: jx.Jaxpr, o: int, p: int, steps: int, last: dict) -> Chain | 
             return ("local", j2, k2) if is_body[j2] else ("hoisted", j2, k2)
         return ("carry", j2, k2) if t2 == t - 1 else ("far",)
 
-    # the body: every position whose parameters all steps share; the rest (slices at the step's
-    # index) is hoisted, and must not read the carry
-    is_body = [all(_same_params(eqns[o + t * p + j].params, eqns[o + j].params) for t in range(1, steps))
-               for j in range(p)]
+    # the body: every position whose parameters all steps share (step by step: sameness is an
+    # equality); the rest (slices at the step's index) is hoisted, and must not read the carry
+    is_body = [all(same_as_next(o + t * p + j, p) for t in range(steps - 1)) for j in range(p)]
     body = [j for j in range(p) if is_body[j]]
     hoisted = [j for j in range(p) if not is_body[j]]
     if not any(produced.get(a, (None,))[0] == 0 for j in body for a in eqns[o + p + j].invars
