@@ -34,6 +34,7 @@ import itertools
 import math
 from typing import Any, Sequence
 
+import networkx as nx
 import numpy as np
 import opt_einsum
 from hlopass import internals as jx
@@ -249,25 +250,9 @@ def link_components(graph) -> dict[int, tuple[int, ...]]:
     so recomputing a result inside its readers changes the chains of its component alone."""
     def compute(g) -> dict[int, tuple[int, ...]]:
         link = links(g)
-        parent = list(range(len(g.jaxpr.eqns)))
-
-        def find(i):
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        for i, eqn in enumerate(g.jaxpr.eqns):
-            if link[i]:
-                for atom in eqn.invars:
-                    j = g.producer.get(atom) if isinstance(atom, jx.Var) else None
-                    if j is not None and link[j]:
-                        parent[find(j)] = find(i)
-        members = collections.defaultdict(list)
-        for i in range(len(g.jaxpr.eqns)):
-            if link[i]:
-                members[find(i)].append(i)
-        return {i: tuple(group) for group in members.values() for i in group}
+        reads = g.graph.subgraph(i for i in range(len(g.jaxpr.eqns)) if link[i])
+        return {i: group for members in nx.weakly_connected_components(reads)
+                for group in [tuple(sorted(members))] for i in group}
     return graph.derived("matrix_chain.components", compute)
 
 
