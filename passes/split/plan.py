@@ -59,9 +59,11 @@ class Candidate:
 
 
 def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitOptions, broken: set = frozenset(),
-               *, split_level: SplitLevel, dot_axes: dict | None = None):
+               *, split_level: SplitLevel, dot_axes: dict | None = None, below: tuple[int, int] | None = None):
     """Plan a loop for every region of this round: ``(plans, failures)``, regions that overlap one
     planned this round left to the next. ``split_level`` splits a nested step's program (the driver's).
+    With ``below`` (a :func:`_score`), ``None`` as soon as the round's score cannot end below it:
+    failures and nested plans only accumulate, so the rest of the round cannot change that answer.
 
     A region that recomputes a ``dot_general`` another loop computes (this round, or an earlier one
     recorded in ``dot_axes``, see :func:`record_dot_axes`) is cut along the same axis of the product
@@ -80,15 +82,21 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
             candidate, why = _best_candidate(jaxpr, graph, seed, config, options, unrolled, axes)
         except Exception as err:  # noqa: BLE001 - a failure here stays with this region
             failures.append((seed, seed, f"planning failed: {error_text(err)}"))
+            if below is not None and _score(plans, failures) >= below:
+                return None
             continue
         if candidate is None:
             failures.append(why)
+            if below is not None and _score(plans, failures) >= below:
+                return None
             continue
         if candidate.region.eqns & claimed or any(eqn_key(jaxpr.eqns[i]) in broken for i in candidate.region.reducing):
             continue  # overlaps a region split this round; looked at again next round
         claimed |= candidate.region.eqns
         axes.update(_dot_axes(jaxpr, candidate.region))
         plans.append(_plan(jaxpr, graph, candidate, config, report, options, split_level))
+        if below is not None and candidate.nested and _score(plans, failures) >= below:
+            return None
     return plans, failures
 
 
@@ -355,9 +363,11 @@ class _Budget:
     def spent(self) -> bool:
         return self.left <= 0
 
-    def plan(self, jaxpr, config, report, options, broken, split_level):
+    def plan(self, jaxpr, config, report, options, broken, split_level, below):
+        """A planning round of ``jaxpr``, or ``None`` once its score cannot end below ``below``."""
         self.left -= 1
-        return plan_round(jaxpr, DataflowGraph(jaxpr), config, report, options, broken, split_level=split_level)
+        return plan_round(jaxpr, DataflowGraph(jaxpr), config, report, options, broken, split_level=split_level,
+                          below=below)
 
 
 def _recompute_staged(current, plans, failures, config: Config, report: PassReport, options: SplitOptions,
@@ -377,9 +387,13 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
 
     origins: dict = {}   # each copied value -> the value it copies (see _copies_round_alike)
 
-    def better(staged, staged_plans, staged_failures) -> bool:
-        return (_score(staged_plans, staged_failures) < _score(plans, failures)
-                and _copies_round_alike(staged.jaxpr, staged_plans, origins))
+    def trial(staged):
+        """The staged program's plans, or ``None`` where they do not score better than the current ones."""
+        now = _score(plans, failures)
+        planned = budget.plan(staged.jaxpr, config, report, options, broken, split_level, now)
+        if planned is None or _score(*planned) >= now or not _copies_round_alike(staged.jaxpr, planned[0], origins):
+            return None
+        return planned
 
     # A worklist: a value whose copy did not help is tried again only after a sweep over the others
     # has kept some copy (re-trying every earlier value after each kept copy was most of the pass's time).
@@ -397,9 +411,9 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
             continue
         var = pending[0]
         staged = staging_of(current.jaxpr).recompute(current, var, origins)
-        staged_plans, staged_failures = budget.plan(staged.jaxpr, config, report, options, broken, split_level)
-        if better(staged, staged_plans, staged_failures):
-            current, plans, failures = staged, staged_plans, staged_failures
+        planned = trial(staged)
+        if planned is not None:
+            current, (plans, failures) = staged, planned
             improved = True
         else:
             failed.add(var)
@@ -416,10 +430,9 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
                 break
             copied_once.add(origins.get(candidates[0], candidates[0]))
             staged = copied
-        if staged is not current:
-            staged_plans, staged_failures = budget.plan(staged.jaxpr, config, report, options, broken, split_level)
-            if better(staged, staged_plans, staged_failures):
-                current, plans, failures = staged, staged_plans, staged_failures
+        planned = trial(staged) if staged is not current else None
+        if planned is not None:
+            current, (plans, failures) = staged, planned
     return current, plans, failures
 
 

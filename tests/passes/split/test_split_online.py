@@ -346,6 +346,42 @@ def test_the_recompute_search_stops_at_its_budget():
     _close(stopped.compile()(q, k, v), want, 2e-5, 2e-5)
 
 
+
+def test_a_trial_planning_stops_only_where_its_round_could_not_score_better(monkeypatch):
+    """The recompute search's trial plannings stop early (``plan_round(below=...)``) once failures and
+    nested plans reach the current score: a stopped round, planned whole, scores no better; one not
+    stopped plans exactly as without the bound. Checked on every trial of an attention gradient's search."""
+    from hlopass.passes.split import plan as plan_module
+    q, k, v = attention_inputs()
+    grad = jax.grad(lambda *a: jnp.sum(attention(*a) ** 2), argnums=(0, 1, 2))
+    real, trials = plan_module.plan_round, []
+
+    def shape(planned):  # taken at once: the driver later evens out the chunks of the plans it keeps
+        if planned is None:
+            return None
+        plans, failures = planned
+        return [(sorted(p.region.eqns), p.chunk) for p in plans], failures, plan_module._score(plans, failures)
+
+    def recording(jaxpr, graph, config, report, options, broken=frozenset(), **kwargs):
+        found = real(jaxpr, graph, config, report, options, broken, **kwargs)
+        if kwargs.get("below") is not None:
+            whole = real(jaxpr, graph, config, report, options, broken, **{**kwargs, "below": None})
+            trials.append((kwargs["below"], shape(found), shape(whole)))
+        return found
+
+    monkeypatch.setattr(plan_module, "plan_round", recording)
+    want = jax.jit(grad)(q, k, v)
+    lowered = split_jit(grad, THRESHOLD, passes=[SplitPass()]).lower(q, k, v)
+    assert own_largest(lowered, (q, k, v), want) <= 1.5 * THRESHOLD
+    stopped = [t for t in trials if t[1] is None]
+    assert stopped and len(stopped) < len(trials), [(b, f is None) for b, f, _ in trials]
+    for below, found, whole in trials:
+        if found is None:
+            assert whole[2] >= below
+        else:
+            assert found == whole
+
+
 # -- random softmax-shaped programs (hypothesis) ----------------------------------------------------
 
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
