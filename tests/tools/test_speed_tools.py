@@ -1,4 +1,4 @@
-"""Smoke tests of issue 14's speed tools at tiny sizes: bench_chunks, profile_knn and bench_overhead."""
+"""Smoke tests of speed tools at tiny sizes: bench_chunks, profile_knn, bench_overhead and probe_spmd_threads."""
 
 from __future__ import annotations
 
@@ -48,3 +48,13 @@ def test_bench_overhead_tiny(tmp_path):
         assert row["equations"] > 20 and row["xla_compile_s"] > 0 and row["passes_s"] >= 0
         assert row["passes_over_xla_compile"] == pytest.approx(row["passes_s"] / row["xla_compile_s"])
     assert figures["recall_hlopass_us"] > 0
+
+
+def test_probe_spmd_threads_tiny(tmp_path):
+    """The probe behind docs/passes/adjoint.md's note on simulated devices' cores runs its three modes,
+    the last on 4 host devices, each in its own process (its figures are the benchmark's to judge)."""
+    out = tmp_path / "spmd.json"
+    run_tool("-m", "tools.probe_spmd_threads", "--tiny", "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["devices"]) for r in rows] == [("jit", 1), ("one_device_mesh", 1), ("four_device_mesh", 4)]
+    assert all(r["best_s"] > 0 and r["cores_used"] >= 0 for r in rows)
