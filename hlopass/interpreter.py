@@ -139,20 +139,111 @@ def _schedule(jaxpr: jx.Jaxpr, replacements: Sequence[Replacement]):
 
 def rewrite(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement] = (),
             eqn_rule: EqnRule | None = None, name: str = "hlopass") -> jx.ClosedJaxpr:
-    """Re-trace ``closed`` with ``replacements`` (and ``eqn_rule``) applied; dead code removed.
+    """``closed`` with ``replacements`` (and ``eqn_rule``) applied; dead code removed.
 
-    The result has the same input and output avals as ``closed``.
+    The result has the same input and output avals as ``closed``. Without ``eqn_rule``, only the
+    replacements' builders are traced, and their equations spliced in among the untouched ones
+    (:func:`_splice_replacements`); with it, or where splicing could differ from tracing, the whole
+    program is traced again (:func:`evaluate`).
     """
+    region = progress.at(functools.partial(_describe_replacements, closed.jaxpr, replacements)) \
+        if replacements else contextlib.nullcontext()
+    with region:
+        new = None
+        if eqn_rule is None:
+            try:
+                new = _splice_replacements(closed, replacements, name)
+            except _Retrace:
+                new = None
+        if new is None:
+            new = retrace(closed, replacements, eqn_rule, name)
+    return dce(new)
+
+
+def retrace(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement] = (),
+            eqn_rule: EqnRule | None = None, name: str = "hlopass") -> jx.ClosedJaxpr:
+    """``closed`` traced again through :func:`evaluate`: every untouched equation bound again, each
+    replacement built in its place (dead code kept)."""
     in_avals = [v.aval for v in closed.jaxpr.invars]
 
     def interpret(*args):
         return evaluate(closed.jaxpr, closed.consts, args, replacements, eqn_rule)
 
-    region = progress.at(functools.partial(_describe_replacements, closed.jaxpr, replacements)) \
-        if replacements else contextlib.nullcontext()
-    with region:
-        new = trace_flat(interpret, in_avals, name)
-    return dce(new)
+    return trace_flat(interpret, in_avals, name)
+
+
+class _Retrace(Exception):
+    """Splicing would give another program than tracing again: trace again."""
+
+
+def _splice_replacements(closed: jx.ClosedJaxpr, replacements: Sequence[Replacement],
+                         name: str) -> jx.ClosedJaxpr:
+    """What :func:`retrace` gives, without binding the untouched equations again: each replacement's
+    builder is traced alone (its literal and constant inputs given as values, as :func:`evaluate`
+    reads them) and its equations put in its place with fresh variables, its constants made the
+    program's; an equation given a literal operand is folded as tracing folds it.
+
+    Raises :class:`_Retrace` where a built value's type differs from the one it replaces (tracing
+    would carry the new type on through the equations that read it)."""
+    jaxpr = closed.jaxpr
+    constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    value_of = dict(zip(constvars, consts))
+    env: dict = {}
+    eqns: list[jx.JaxprEqn] = []
+
+    def read(atom):
+        return env.get(atom, atom) if isinstance(atom, jx.Var) else atom
+
+    def concrete(atom) -> bool:
+        return isinstance(atom, jx.Literal) or atom in value_of
+
+    for kind, item in _schedule(jaxpr, replacements):
+        if kind == "eqn":
+            invars = [read(a) for a in item.invars]
+            known = len(constvars)
+            if _fold(item, invars, env, constvars, consts):
+                value_of.update(zip(constvars[known:], consts[known:]))
+                continue
+            if any(a is not b for a, b in zip(invars, item.invars)):
+                item = item.replace(invars=invars)
+            eqns.append(item)
+            continue
+        inputs = [read(a) for a in item.inputs]
+        traced = [k for k, a in enumerate(inputs) if not concrete(a)]
+        given = {k: (a.val if isinstance(a, jx.Literal) else value_of[a]) for k, a in enumerate(inputs)
+                 if concrete(a)}
+        anchor = jaxpr.eqns[item.anchor if item.anchor is not None else max(item.eqns)]
+
+        def build(*values, item=item, given=given, anchor=anchor):
+            supplied = iter(values)
+            args = [given[k] if k in given else next(supplied) for k in range(len(inputs))]
+            with at_source_of(anchor):
+                outs = list(item.build(*args))
+            if len(outs) != len(item.outputs):
+                raise ValueError(f"replacement built {len(outs)} values for {len(item.outputs)} outputs")
+            return outs
+
+        body = trace_flat(build, [inputs[k].aval for k in traced], name)
+        inner = dict(zip(body.jaxpr.invars, (inputs[k] for k in traced)))
+        for var, value in zip(body.jaxpr.constvars, body.consts):
+            inner[var] = jx.Var(var.aval)
+            constvars.append(inner[var])
+            consts.append(value)
+            value_of[inner[var]] = value
+        for eqn in body.jaxpr.eqns:
+            outvars = [jx.DropVar(v.aval) if isinstance(v, jx.DropVar) else jx.Var(v.aval) for v in eqn.outvars]
+            inner.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, jx.DropVar))
+            eqns.append(eqn.replace(invars=[inner.get(a, a) if isinstance(a, jx.Var) else a for a in eqn.invars],
+                                    outvars=outvars))
+        for var, result in zip(item.outputs, body.jaxpr.outvars):
+            value = inner.get(result, result) if isinstance(result, jx.Var) else result
+            if not isinstance(var, jx.Var) or isinstance(var, jx.DropVar):
+                continue
+            if getattr(value, "aval", None) != var.aval:
+                raise _Retrace(f"a built value of type {getattr(value, 'aval', value)} for {var.aval}")
+            env[var] = value
+    new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+    return jx.ClosedJaxpr(new, consts)
 
 
 def _describe_replacements(jaxpr: jx.Jaxpr, replacements: Sequence[Replacement]) -> str:
