@@ -225,11 +225,7 @@ def _splice_replacements(closed: jx.ClosedJaxpr, replacements: Sequence[Replacem
 
         body = trace_flat(build, [inputs[k].aval for k in traced], name)
         inner = dict(zip(body.jaxpr.invars, (inputs[k] for k in traced)))
-        for var, value in zip(body.jaxpr.constvars, body.consts):
-            inner[var] = jx.Var(var.aval)
-            constvars.append(inner[var])
-            consts.append(value)
-            value_of[inner[var]] = value
+        value_of.update(_adopt_consts(body, inner, constvars, consts))
         for eqn in body.jaxpr.eqns:
             outvars = [jx.DropVar(v.aval) if isinstance(v, jx.DropVar) else jx.Var(v.aval) for v in eqn.outvars]
             inner.update((old, new) for old, new in zip(eqn.outvars, outvars) if not isinstance(old, jx.DropVar))
@@ -303,10 +299,7 @@ def _spliced(closed: jx.ClosedJaxpr, inlined: Callable[[jx.JaxprEqn], bool],
             body = call_body(eqn) if inlined(eqn) else None
             if body is not None:
                 inner = dict(zip(body.jaxpr.invars, invars))
-                for var, value in zip(body.jaxpr.constvars, body.consts):
-                    inner[var] = jx.Var(var.aval)
-                    constvars.append(inner[var])
-                    consts.append(value)
+                _adopt_consts(body, inner, constvars, consts)
                 stack = eqn.source_info.name_stack if outer_stack is None else outer_stack + eqn.source_info.name_stack
                 splice(body.jaxpr.eqns, inner, stack, True)
                 env.update((out, read(inner, result)) for out, result in zip(eqn.outvars, body.jaxpr.outvars)
@@ -332,6 +325,18 @@ def _spliced(closed: jx.ClosedJaxpr, inlined: Callable[[jx.JaxprEqn], bool],
     splice(jaxpr.eqns, top, None, False)
     new = jaxpr.replace(constvars=constvars, eqns=eqns, outvars=[read(top, v) for v in jaxpr.outvars])
     return jx.ClosedJaxpr(new, consts)
+
+
+def _adopt_consts(body: jx.ClosedJaxpr, inner: dict, constvars: list, consts: list) -> dict:
+    """Make ``body``'s constants constants of the program being built (fresh variables, mapped in
+    ``inner``); returns the new variables' values."""
+    adopted = {}
+    for var, value in zip(body.jaxpr.constvars, body.consts):
+        inner[var] = jx.Var(var.aval)
+        constvars.append(inner[var])
+        consts.append(value)
+        adopted[inner[var]] = value
+    return adopted
 
 
 def _fold(eqn: jx.JaxprEqn, invars: list, env: dict, constvars: list, consts: list) -> bool:
