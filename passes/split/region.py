@@ -37,7 +37,7 @@ from hlopass.graph import DataflowGraph, GrowingRegion
 from hlopass.jaxpr_utils import aval_nbytes
 from hlopass.families import ARG_REDUCTIONS, CUMULATIVE, ELEMENTWISE, LAYOUT, REDUCTIONS
 
-from .online import NotOnline, analyse, final_equations, running_reducers, shift_equations
+from .online import RUNNING, NotOnline, analyse, final_equations, running_reducers, shift_equations
 from .rules import SCATTER_MONOIDS, DimMap, dim_map
 from .shares import device_bytes
 
@@ -251,6 +251,7 @@ class _Grower:
         self.share = device_bytes(jaxpr)
         self.maps, self._large = _answers(graph, split_size)
         self._growing: GrowingRegion | None = None   # the region being grown (told each equation added)
+        self._running = False   # whether the region reduces with a running monoid (a shift program may follow)
 
     def dim_map(self, i: int) -> DimMap:
         if i not in self.maps:
@@ -276,7 +277,7 @@ class _Grower:
             between = self._between(region)
             if not between:
                 break
-            shift = shift_equations(self.jaxpr, self.graph, region, between)
+            shift = shift_equations(self.jaxpr, self.graph, region, between) if self._running else []
             if shift:  # small values computed from a running maximum: evaluated again in each step
                 for i in shift:
                     self._add_shift(region, i)
@@ -340,6 +341,7 @@ class _Grower:
         region.label[i] = label
         if label in dm.reduced:
             region.reducing[i] = dm.reduced[label]
+            self._running = self._running or region.reducing[i] in RUNNING
         if label in dm.scanned:
             region.scans[i] = dm.scanned[label]
         for k, var in enumerate(eqn.outvars):
