@@ -14,12 +14,12 @@ from hlopass import internals as jx
 
 from hlopass import settings, sharding
 from hlopass.call import as_lowered, hlopass_call_p
-from hlopass.checked import CheckedJit
+from hlopass.checked import CheckedJit, WholeProgram, measured_by_caller, restaged
 from hlopass.config import Config
 from hlopass.errors import ConfigError
 from hlopass.jaxpr_utils import trace_flat
 from hlopass.memory import enforce, measure
-from hlopass.pipeline import retrace_wanted, run_pipeline, trace_contexts
+from hlopass.pipeline import forget, retrace_wanted, run_pipeline, trace_contexts
 
 logger = logging.getLogger("hlopass")
 
@@ -136,6 +136,7 @@ class HlopassFunction:
         """:meth:`trace` with the given settings instead of those in force now."""
         checked = self._checked(config)
         traced = Traced(checked.jitted.trace(*args, **kwargs), config, self.label)
+        traced.retrace = functools.partial(_trace_afresh, checked, *_abstractly((args, kwargs)))
         traced.input_shards = sharding.argument_shards(checked, args, kwargs)
         traced.input_shardings = sharding.argument_shardings(checked, args, kwargs)
         return traced
@@ -286,6 +287,7 @@ class Traced:
         self.label = label
         self.input_shards = None  # how the arguments are sharded (the passes see it, as when lowering)
         self.input_shardings = None  # and their NamedShardings
+        self.retrace: Callable | None = None  # the same trace under a new identity (lowered afresh)
 
     def __getattr__(self, name):
         return getattr(self._traced, name)
@@ -329,18 +331,49 @@ class Traced:
         return self._result[0].report
 
     def lower(self, **kwargs) -> "Lowered":
-        return Lowered(self._traced.lower(**kwargs), self, self.config, self.label)
+        # the program is compiled whole and measured by Lowered.compile: the passes leave to that
+        # measurement the compiles that would only confirm a fit (as a call does, CheckedJit.check)
+        whole = WholeProgram(compares=False)
+        token = measured_by_caller.set(whole)
+        try:
+            lowered = self._traced.lower(**kwargs)
+        finally:
+            measured_by_caller.reset(token)
+        relower = (lambda: self.retrace().lower(**kwargs)) if self.retrace is not None else None
+        return Lowered(lowered, self, self.config, self.label, whole if relower is not None else None, relower)
+
+
+def _abstractly(tree):
+    """``tree`` with each JAX array a ``ShapeDtypeStruct`` (its sharding where it is committed to one):
+    what tracing needs, without holding the arrays."""
+    def abstract(a):
+        if not isinstance(a, jax.Array) or isinstance(a, jx.Tracer) or not hasattr(a, "weak_type"):
+            return a  # (a PRNG key array is kept as it is)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                    sharding=a.sharding if getattr(a, "committed", False) else None)
+    try:
+        return jax.tree_util.tree_map(abstract, tree)
+    except Exception:  # noqa: BLE001 - an argument it cannot describe: keep them as they are
+        return tree
+
+
+def _trace_afresh(checked: CheckedJit, args, kwargs):
+    """``checked`` 's function traced again under a new identity: JAX lowers it afresh (the passes run)."""
+    return jax.jit(restaged(checked.unjitted), **checked.jit_kwargs).trace(*args, **kwargs)
 
 
 class Lowered:
     """``jax.stages.Lowered`` of the rewritten program; ``compile()`` also checks the memory limit."""
 
-    def __init__(self, lowered, traced: Traced, config, label: str):
+    def __init__(self, lowered, traced: Traced, config, label: str, whole: WholeProgram | None = None,
+                 relower: Callable | None = None):
         self._lowered = lowered
         self._traced = traced
         self.config = config
         self.label = label
         self.memory_check = None
+        self._whole = whole      # the passes' result whose fit this compile confirms
+        self._relower = relower  # lowers again, the passes checking for themselves
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
@@ -350,9 +383,20 @@ class Lowered:
         return self._traced.report
 
     def compile(self, *args, **kwargs):
+        """Compile, measure against the memory limit (warn, or raise when strict). Where a pass took its
+        program as fitting without compiling it, this measurement confirms it; when it does not fit,
+        the passes run again, checking, and the program they give is lowered and compiled instead."""
         compiled = self._lowered.compile(*args, **kwargs)
-        self.memory_check = measure(compiled, self._lowered, self.config.memory_limit, self.label,
-                                    list_largest="over_limit")
+        check = measure(compiled, self._lowered, self.config.memory_limit, self.label, list_largest="over_limit")
+        result, self._whole = (self._whole.result if self._whole is not None else None), None
+        if result is not None and not result.confirm(check):
+            forget(result)
+            self._lowered = self._relower()
+            compiled = self._lowered.compile(*args, **kwargs)
+            check = measure(compiled, self._lowered, self.config.memory_limit, self.label, list_largest="over_limit")
+        elif result is not None and not result.settled:
+            result.check, result.settled = check, True
+        self.memory_check = check
         enforce(self.memory_check, self.config.strict)
         return compiled
 

@@ -50,20 +50,24 @@ class _StaticArgumentError(Exception):
 _PLACEMENT_KEYWORDS = frozenset({"in_shardings", "out_shardings", "device", "backend", "compiler_options"})
 
 
-class _WholeProgram:
-    """Set by :meth:`CheckedJit.check` while it lowers a hlopass function's trace (one
+class WholeProgram:
+    """Set by :meth:`CheckedJit.check` (and ``Lowered`` of :mod:`hlopass.api`) while it lowers a hlopass function's trace (one
     ``hlopass_call``, lowered first): that program is compiled and measured whole by the caller, so
     its lowering (:mod:`hlopass.call`) makes no check of its own and hands over its pipeline result,
     and its passes leave the compiles that would only confirm a fit to that measurement
     (:func:`hlopass.memory.deferring_checks`)."""
 
-    __slots__ = ("result",)
+    __slots__ = ("result", "compares")
 
-    def __init__(self):
+    def __init__(self, compares: bool = True):
         self.result = None
+        #: whether the caller compiles the original program too when the passes could not bound theirs
+        #: (``CheckedJit.check``); if not (``Lowered.compile``), the lowering compares them itself
+        self.compares = compares
 
 
-#: A :class:`_WholeProgram` while :meth:`CheckedJit.check` lowers; read by the ``hlopass_call`` lowering rule.
+#: A :class:`WholeProgram` while :meth:`CheckedJit.check` or ``Traced.lower`` lowers; read by the ``hlopass_call``
+#: lowering rule.
 measured_by_caller: contextvars.ContextVar = contextvars.ContextVar("hlopass_measured_by_caller", default=None)
 
 
@@ -166,7 +170,7 @@ class CheckedJit:
             check, _, lowered = self._compile(self.plain.trace(*args, **kwargs), "original")
             target = self.plain
         else:
-            whole = _WholeProgram() if result is None else None
+            whole = WholeProgram() if result is None else None
             token = measured_by_caller.set(whole)
             try:
                 check, seconds, lowered = self._compile(traced)
@@ -178,7 +182,7 @@ class CheckedJit:
                 # a pass took its program as fitting and it does not: run the passes again, checking
                 # (a fresh jax.jit: the one above keeps the program it lowered)
                 forget(result)
-                target = jax.jit(_restaged(self.unjitted), **self.jit_kwargs)
+                target = jax.jit(restaged(self.unjitted), **self.jit_kwargs)
                 check, seconds, lowered = self._compile(target.trace(*args, **kwargs))
                 result = None  # settled by its lowering
             if result is not None and not result.settled:
@@ -240,7 +244,7 @@ def _bind_here(closed: jx.ClosedJaxpr, args) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
-def _restaged(staged: Callable) -> Callable:
+def restaged(staged: Callable) -> Callable:
     """``staged`` under a new identity, so that ``jax.jit`` traces and lowers it afresh."""
     @functools.wraps(staged)
     def again(*args, **kwargs):

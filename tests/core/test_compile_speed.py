@@ -342,6 +342,47 @@ def test_a_split_over_the_limit_at_the_calls_compile_is_split_again(monkeypatch)
     assert np.array_equal(f(*_ATTENTION_INPUTS), f(*_ATTENTION_INPUTS))  # later calls: the checked program
 
 
+def _compiled_attention(name: str, **settings):
+    """As :func:`_called_attention`, ahead of time: ``f.trace(...).lower().compile()``; the ``Lowered``
+    and the split pass's report."""
+    from fixtures.attention import attention
+
+    def called(q, k, v):
+        return attention(q, k, v)
+
+    called.__name__ = called.__qualname__ = name
+    f = hlopass.jit(called, **settings)
+    lowered = f.trace(*_ATTENTION_INPUTS).lower()
+    compiled = lowered.compile()
+    np.testing.assert_allclose(compiled(*_ATTENTION_INPUTS), jax.jit(attention)(*_ATTENTION_INPUTS),
+                               rtol=1e-5, atol=1e-6)
+    return lowered, next(p for p in lowered.report.passes if p.name == "split")
+
+
+def test_ahead_of_time_a_split_that_fits_is_checked_by_the_compile_of_lowered(monkeypatch):
+    """``f.trace(x).lower().compile()`` measures the whole program as a call does: the split pass
+    leaves its check to that compile (one XLA compile, not two), and the report says the fit."""
+    calls = _footprints(monkeypatch)
+    lowered, split = _compiled_attention("aot_deferred_split", passes="split,remat", threshold="400kB",
+                                         memory_limit="1MB")
+    assert calls == [] and lowered.memory_check.footprint <= 1_000_000
+    (entry,) = [r for r in split.rewrites if r.kind == "memory_check"]
+    assert "the whole program compiled" in entry.summary
+    assert entry.details["footprint"] == lowered.memory_check.footprint
+
+
+def test_ahead_of_time_a_split_over_the_limit_is_split_again_and_lowered_again(monkeypatch):
+    """When the compile of ``Lowered`` finds the split it took as fitting over the limit, the passes
+    run again, checking, and the program they give is the one compiled (and ``as_text`` shows)."""
+    calls = _footprints(monkeypatch)
+    lowered, split = _compiled_attention("aot_split_again", passes="split", threshold="1MB",
+                                         memory_limit="350kB")
+    assert calls, "the second run of the passes compiles its program to check it"
+    assert lowered.memory_check.footprint <= 350_000
+    assert any(r.kind == "retry" for r in split.rewrites) and any(r.kind == "memory_check" for r in split.rewrites)
+    assert lowered.as_text() == lowered._lowered.as_text()
+
+
 # -- f.trace(x).report is the report of the program f(x) compiles --------------------------------------
 
 @pytest.mark.parametrize("order", ["call first", "trace first"])
