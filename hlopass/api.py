@@ -14,7 +14,7 @@ from hlopass import internals as jx
 
 from hlopass import settings, sharding
 from hlopass.call import as_lowered, hlopass_call_p
-from hlopass.checked import CheckedJit, WholeProgram, measured_by_caller, restaged
+from hlopass.checked import CheckedJit, WholeProgram, measured_by_caller
 from hlopass.config import Config
 from hlopass.errors import ConfigError
 from hlopass.jaxpr_utils import trace_flat
@@ -359,7 +359,7 @@ def _abstractly(tree):
 
 def _trace_afresh(checked: CheckedJit, args, kwargs):
     """``checked`` 's function traced again under a new identity: JAX lowers it afresh (the passes run)."""
-    return jax.jit(restaged(checked.unjitted), **checked.jit_kwargs).trace(*args, **kwargs)
+    return checked.afresh().trace(*args, **kwargs)
 
 
 class Lowered:

@@ -146,6 +146,11 @@ class CheckedJit:
             return target(*args)
         return target(*args, **kwargs)
 
+    def afresh(self):
+        """``jax.jit`` of the same function under a new identity: it traces and lowers it afresh (the
+        passes run again; the jitted function keeps the program it lowered)."""
+        return jax.jit(_restaged(self.unjitted), **self.jit_kwargs)
+
     def in_trace(self, args, kwargs):
         """Bind the ``hlopass_call`` of jax.jit's cached trace in the current trace."""
         if not self._bind_directly:
@@ -182,7 +187,7 @@ class CheckedJit:
                 # a pass took its program as fitting and it does not: run the passes again, checking
                 # (a fresh jax.jit: the one above keeps the program it lowered)
                 forget(result)
-                target = jax.jit(restaged(self.unjitted), **self.jit_kwargs)
+                target = self.afresh()
                 check, seconds, lowered = self._compile(target.trace(*args, **kwargs))
                 result = None  # settled by its lowering
             if result is not None and not result.settled:
@@ -244,7 +249,7 @@ def _bind_here(closed: jx.ClosedJaxpr, args) -> list:
     return [read(v) for v in closed.jaxpr.outvars]
 
 
-def restaged(staged: Callable) -> Callable:
+def _restaged(staged: Callable) -> Callable:
     """``staged`` under a new identity, so that ``jax.jit`` traces and lowers it afresh."""
     @functools.wraps(staged)
     def again(*args, **kwargs):
