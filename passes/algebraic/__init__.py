@@ -139,7 +139,7 @@ class AlgebraicPass(Pass):
             summary = _summary(c) + (f"; Inf/NaN {c.caveat}" if c.caveat else "")
             report.rewrite(c.kind, location(jaxpr, c.index, c.expander), summary,
                            removed_type=aval_str(c.removed.var.aval),
-                           removed_bytes=c.removed.nbytes, terms=len(c.expansion.monomials),
+                           removed_bytes=c.removed.nbytes, terms=len(c.expansion.monomials), visits=c.expander.visits,
                            clamped=c.clamp, exact=c.exact, centred=bool(c.plan and c.plan.shifts),
                            plain_inf_nan=(c.written_program is not None or same_products(c.expansion, c.output_labels)
                                           or bool(c.plan and c.plan.squares)),
