@@ -13,8 +13,9 @@ region. At every program level, calls holding a large value (``pjit``,
 ``closed_call``, ``checkpoint``, ``custom_jvp``/``custom_vjp``) are inlined
 first, and the bodies of loops, branches and linear solves are split on
 their own (innermost first). A large value read both before and after its
-own reduction is recomputed once per stage of its readers
-(:mod:`.recompute`), one loop per stage.
+own reduction is recomputed once per pass its readers need
+(:mod:`.recompute`), one loop per pass: a softmax's rows reduced and read
+again split along the rows are one pass, its gradient's backward pass another.
 
 Emits: one ``fori_loop`` per region over slices of a split axis (a
 remainder step when the chunk does not divide it), each iteration

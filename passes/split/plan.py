@@ -333,6 +333,8 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
     """Give the later stages of readers of a shared large value their own copy, one value at a time,
     keeping each copy that leaves fewer regions unsplit. Stages that one loop carrying a running
     maximum can cover are tried first (the latest value first: its copy takes the earlier ones along).
+    Each value is tried with coarse stages first (:meth:`.Staging.recompute`): two stacked attention
+    blocks' gradient then splits into 3 loops instead of 5, one per pass it needs.
 
     When every region splits and only nesting is left to remove, only those stages are tried: the others
     separate what one loop could not do in one pass, which is not what nests a loop (on the split and remat
@@ -410,8 +412,17 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
             improved = False
             continue
         var = pending[0]
-        staged = staging_of(current.jaxpr).recompute(current, var, origins)
-        planned = trial(staged)
+        staging = staging_of(current.jaxpr)
+        # Coarse stages first (readers one level apart share a copy, and a copy made earlier is read
+        # again): one loop for what one pass can do. Stage by stage where that does not help.
+        tries = [staging.recompute(current, var, origins)]
+        coarse = staging.recompute(current, var, origins, coarse=True)
+        if coarse is not current and len(coarse.jaxpr.eqns) < len(tries[0].jaxpr.eqns):
+            tries.insert(0, coarse)
+        for staged in tries:
+            planned = trial(staged)
+            if planned is not None:
+                break
         if planned is not None:
             current, (plans, failures) = staged, planned
             improved = True

@@ -14,6 +14,11 @@ large results meets (see :class:`_Stages`), and the copy is made of the
 equations between the value and its small inputs (all with split rules, no
 effects). Each copy then belongs to its own region and loop: two passes, each
 within the split size. Values that are program outputs are left alone.
+
+A level counts reductions whatever axis they reduce, so two levels may still be one pass (a
+softmax split along its rows). The planner therefore tries *coarse* stages first, readers one
+level apart sharing a copy and a later stage reading a copy already made, and the stages one by
+one only where that leaves a region unsplit.
 """
 
 from __future__ import annotations
@@ -53,18 +58,48 @@ class Staging:
                     found.append(var)
         return found
 
-    def recompute(self, closed: jx.ClosedJaxpr, var: jx.Var, origins: dict | None = None) -> jx.ClosedJaxpr:
+    def recompute(self, closed: jx.ClosedJaxpr, var: jx.Var, origins: dict | None = None,
+                  coarse: bool = False) -> jx.ClosedJaxpr:
         """``closed`` (whose jaxpr is this one) where the readers of ``var`` in later stages read a copy
         computed again (one copy per further stage); ``closed`` itself when there is nothing to copy.
-        ``origins`` (updated) maps each copied value to the value of the program as written it copies."""
+        ``origins`` (updated) maps each copied value to the value of the program as written it copies.
+
+        ``coarse``: stages one level apart are one stage (a softmax's rows are reduced and read again
+        in one pass when split along the rows), and a stage that a copy of the same value made
+        earlier in the program can serve reads that copy instead of a new one (a backward pass
+        reading the probabilities both directly and through the product that used them)."""
         assert closed.jaxpr is self.jaxpr
         if var not in self.graph.producer:
             return closed
-        groups = self.stages.later_stages(var)
+        groups = self.stages.later_stages(var, coarse)
         cone = _cone(self.jaxpr, self.graph, self.graph.producer[var], self.large) if groups else None
         if cone is None:
             return closed
-        return dce(jx.ClosedJaxpr(_with_copies(self.jaxpr, cone, groups, origins), closed.consts))
+        jaxpr = self.jaxpr
+        if coarse and origins:
+            jaxpr, groups = self._read_earlier_copies(var, groups, origins)
+            if not groups:
+                return dce(jx.ClosedJaxpr(jaxpr, closed.consts))
+        return dce(jx.ClosedJaxpr(_with_copies(jaxpr, cone, groups, origins), closed.consts))
+
+    def _read_earlier_copies(self, var, groups: list[list[int]], origins: dict):
+        """The jaxpr where each group that a copy of ``var``'s value computed before it can serve reads
+        that copy (the latest such), and the groups still to copy."""
+        origin = origins.get(var, var)
+        twins = sorted((self.graph.producer[w], w) for w, o in origins.items()
+                       if o is origin and w is not var and w in self.graph.producer)
+        rename_at, left = {}, []
+        for group in groups:
+            earlier = [w for at, w in twins if at < min(group)]
+            if earlier:
+                rename_at.update((j, earlier[-1]) for j in group)
+            else:
+                left.append(group)
+        if not rename_at:
+            return self.jaxpr, groups
+        eqns = [eqn.replace(invars=[rename_at[k] if a is var else a for a in eqn.invars]) if k in rename_at else eqn
+                for k, eqn in enumerate(self.jaxpr.eqns)]
+        return self.jaxpr.replace(eqns=eqns), left
 
 
 class _Stages:
@@ -109,15 +144,25 @@ class _Stages:
         """Readers of ``var`` in a later stage than its first."""
         return [j for group in self.later_stages(var) for j in group]
 
-    def later_stages(self, var) -> list[list[int]]:
-        """Readers of ``var`` in each stage after its first (in order of stage, each in program order)."""
+    def later_stages(self, var, coarse: bool = False) -> list[list[int]]:
+        """Readers of ``var`` in each stage after its first (in order of stage, each in program order).
+        ``coarse``: stages one level apart are one (a reduction that keeps the axis its next reader
+        is split along, as a softmax's row sums, needs no second pass; where it does need one, the
+        planner's trial fails and the stages are tried one by one)."""
         readers = sorted(set(self.graph.uses(var)))
         if len(readers) < 2:
             return []
         stages: dict[int, list[int]] = {}
         for j in readers:
             stages.setdefault(self.meets[j], []).append(j)
-        return [stages[level] for level in sorted(stages)[1:]]
+        groups, last = [], None
+        for level in sorted(stages):
+            if coarse and last is not None and level == last + 1:
+                groups[-1] = sorted(groups[-1] + stages[level])
+            else:
+                groups.append(stages[level])
+            last = level
+        return groups[1:]
 
 
 def _cone(jaxpr: jx.Jaxpr, graph: DataflowGraph, i: int, large: int) -> list[int] | None:
