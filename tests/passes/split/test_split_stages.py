@@ -15,26 +15,7 @@ import numpy as np
 import pytest
 
 from tests.passes.split.helpers import assert_close, largest_tensor, split_jit, split_rewrites, tolerances
-
-
-def _layer_norm(x):
-    x = x - jnp.mean(x, axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)
-
-
-def _block(x, p):
-    wq, wk, wv, wo, w1, w2 = p
-    h = _layer_norm(x)
-    q, k, v = h @ wq, h @ wk, h @ wv
-    a = jax.nn.softmax(q @ k.T / np.sqrt(q.shape[-1]), axis=-1)
-    x = x + (a @ v) @ wo
-    return x + jax.nn.gelu(_layer_norm(x) @ w1) @ w2
-
-
-def _loss(params, x):
-    for p in params:
-        x = _block(x, p)
-    return jnp.mean(_layer_norm(x) * x)
+from tools.bench_remat import transformer_loss   # pre-norm single-head blocks in a Python loop
 
 
 def _inputs(layers: int, seq: int, width: int, dtype):
@@ -51,7 +32,7 @@ def test_stacked_attention_splits_into_one_loop_per_pass(dtype):
     with jax.enable_x64(dtype == np.float64):
         params, x = _inputs(2, seq, width, dtype)
         threshold = int(0.6 * seq * seq * np.dtype(dtype).itemsize)   # each attention matrix is over it
-        grad = jax.grad(_loss)
+        grad = jax.grad(transformer_loss)
         lowered = split_jit(grad, threshold).lower(params, x)
         done = split_rewrites(lowered.report)
         assert len(done) == 3, lowered.report
