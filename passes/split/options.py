@@ -21,6 +21,10 @@ class SplitOptions:
     #: 2,090-equation gradient under a memory limit planned copies for over 30 minutes (fresh seed
     #: s443980463653, program 4; ``test_the_recompute_search_stops_at_its_budget``).
     max_recompute_plannings: int = 32
+    #: ...and one that only looks for a copy that spares a nested loop (every region splits): in the
+    #: split, remat and core tests such a search that keeps a copy keeps it by its 6th planning; on
+    #: the forced Transformer step (``tools/bench_compile.py``) 15 plannings kept nothing (0.8 s).
+    max_unnesting_plannings: int = 8
     #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
     live_budget: float = 1.0
     #: Inside a step, reductions over a last axis this short are unrolled (0: never; see ``unroll.py``)...

@@ -338,9 +338,11 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
 
     When every region splits and only nesting is left to remove, only those stages are tried: the others
     separate what one loop could not do in one pass, which is not what nests a loop (on the split and remat
-    tests they never removed one; on a Transformer step they were 0.4 s of the split's 1.25 s)."""
+    tests they never removed one; on a Transformer step they were 0.4 s of the split's 1.25 s); and the
+    search spends at most ``SplitOptions.max_unnesting_plannings``."""
     sweeps = (True, False) if failures else (True,)
-    budget = _Budget(options.max_recompute_plannings)
+    setting = "max_recompute_plannings" if failures else "max_unnesting_plannings"
+    budget = _Budget(min(options.max_recompute_plannings, getattr(options, setting)))
     for online in sweeps:
         current, plans, failures = _recompute_staged(current, plans, failures, config, report, options, broken,
                                                      online, split_level, budget)
@@ -350,7 +352,7 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
     if budget.spent and (unsplit or nested):
         report.skip("<recomputation search>", "split",
                     f"the search for values to recompute stopped after {budget.plannings} plannings "
-                    f"(SplitOptions.max_recompute_plannings), {unsplit} regions left unsplit and {nested} "
+                    f"(SplitOptions.{setting}), {unsplit} regions left unsplit and {nested} "
                     f"split in nested loops: what it found so far is kept")
     return current, plans, failures
 

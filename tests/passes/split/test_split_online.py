@@ -347,6 +347,32 @@ def test_the_recompute_search_stops_at_its_budget():
 
 
 
+def test_the_search_for_a_copy_that_spares_a_nested_loop_stops_at_its_own_budget():
+    """When every region splits and one is nested, the search for a copy that spares the nested loop
+    spends at most ``SplitOptions.max_unnesting_plannings`` (fewer than a search for unsplit regions:
+    on the forced Transformer step 15 plannings found nothing). The attention gradient's finds its
+    copy at the 6th planning (the split, remat and core tests' latest): with 3 a loop stays nested,
+    the report names the setting and the values still equal ``jax.jit``'s; with the default it is spared."""
+    q, k, v = attention_inputs()
+    grad = jax.grad(lambda *a: jnp.sum(attention(*a) ** 2), argnums=(0, 1, 2))
+    want = jax.jit(grad)(q, k, v)
+
+    def lowered(**options):
+        return split_jit(grad, THRESHOLD, passes=[SplitPass(**options)]).lower(q, k, v)
+
+    def stops(low):
+        return [s.reason for s in low.report.skipped if s.location == "<recomputation search>"]
+
+    spared, stopped = lowered(), lowered(max_unnesting_plannings=3)
+    assert SplitOptions().max_unnesting_plannings < SplitOptions().max_recompute_plannings
+    assert not stops(spared) and not any(r.details["nested"] for r in split_rewrites(spared.report)), spared.report
+    assert own_largest(spared, (q, k, v), want) <= 1.5 * THRESHOLD
+    assert stops(stopped) and all("stopped after 3 plannings (SplitOptions.max_unnesting_plannings), 0 regions "
+                                  "left unsplit and 1 split in nested loops" in r for r in stops(stopped)), stopped.report
+    assert any(r.details["nested"] for r in split_rewrites(stopped.report)), stopped.report
+    _close(stopped.compile()(q, k, v), want, 2e-5, 2e-5)
+
+
 def test_a_trial_planning_stops_only_where_its_round_could_not_score_better(monkeypatch):
     """The recompute search's trial plannings stop early (``plan_round(below=...)``) once failures and
     nested plans reach the current score: a stopped round, planned whole, scores no better; one not
