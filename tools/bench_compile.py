@@ -280,8 +280,7 @@ def _forced_threshold(fn, args) -> int:
 
 def forced_threshold(name: str) -> int:
     """The forced column's threshold for program ``name``, in this process (a child of its own)."""
-    fn, args = PROGRAMS[name]()
-    return max(_largest_intermediate(fn, args) // 10, 1)
+    return _forced_threshold(*PROGRAMS[name]())
 
 
 def measure(name: str, column: str) -> dict:
@@ -362,6 +361,9 @@ def run_program(name: str, columns: list[str], repeat: int, baseline: str | None
         found = run_child(name, "threshold")
         if "threshold" in found:
             env[FORCED_THRESHOLD_ENV] = str(found["threshold"])
+        else:
+            print(f"  {name}: no threshold from its own child ({found.get('status')}); each forced child "
+                  f"finds it before its timed call", flush=True)
     for _ in range(repeat):
         for column, root in keys:
             if runs[(column, root)] and "first_call_s" not in runs[(column, root)][-1]:

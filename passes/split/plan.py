@@ -341,8 +341,12 @@ def recompute_where_it_helps(current, plans, failures, config: Config, report: P
     tests they never removed one; on a Transformer step they were 0.4 s of the split's 1.25 s); and the
     search spends at most ``SplitOptions.max_unnesting_plannings``."""
     sweeps = (True, False) if failures else (True,)
-    setting = "max_recompute_plannings" if failures else "max_unnesting_plannings"
-    budget = _Budget(min(options.max_recompute_plannings, getattr(options, setting)))
+    if failures:
+        setting, plannings = "max_recompute_plannings", options.max_recompute_plannings
+    else:
+        setting, plannings = "max_unnesting_plannings", min(options.max_recompute_plannings,
+                                                             options.max_unnesting_plannings)
+    budget = _Budget(plannings)
     for online in sweeps:
         current, plans, failures = _recompute_staged(current, plans, failures, config, report, options, broken,
                                                      online, split_level, budget)
