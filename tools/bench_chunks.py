@@ -9,6 +9,7 @@ script runs the same programs with each choice varied, one at a time, side by si
 * the split size (the chunk length follows it): 1 MB, 4 MB, 16 MB and the default (= the threshold);
 * no cap of a step's live set for the cache (``step_cache_bytes=0``: the largest chunk that fits);
 * no preference for an even chunk (a remainder step instead);
+* a short last step instead of an overlapping whole one (``overlap_last_step=False``);
 * no unrolling of short reductions;
 * the hand-written alternative (``lax.map`` over blocks) for reference.
 
@@ -73,6 +74,8 @@ def variants(fn, static, hand, threshold: str, tiny: bool) -> dict:
                                       passes=[*OTHER_PASSES, SplitPass(step_cache_bytes=0)])
     out["no even chunk"] = hlopass.jit(fn, static_argnums=static, threshold=threshold,
                                        passes=[*OTHER_PASSES, SplitPass(even_chunk_fraction=1.01)])
+    out["short last step"] = hlopass.jit(fn, static_argnums=static, threshold=threshold,
+                                         passes=[*OTHER_PASSES, SplitPass(overlap_last_step=False)])
     out["no unroll"] = hlopass.jit(fn, static_argnums=static, threshold=threshold,
                                    passes=[*OTHER_PASSES, SplitPass(unroll_max_length=0)])
     out["hand (lax.map)"] = jax.jit(hand, static_argnums=static)

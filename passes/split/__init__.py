@@ -17,8 +17,9 @@ own reduction is recomputed once per pass its readers need
 (:mod:`.recompute`), one loop per pass: a softmax's rows reduced and read
 again split along the rows are one pass, its gradient's backward pass another.
 
-Emits: one ``fori_loop`` per region over slices of a split axis (a
-remainder step when the chunk does not divide it), each iteration
+Emits: one ``fori_loop`` per region over slices of a split axis (when the
+chunk does not divide it, a last whole step overlapping the one before, or a
+shorter remainder step where a step depends on the ones before), each iteration
 recomputing the region on ``dynamic_slice`` s of its inputs and writing
 (``dynamic_update_slice``) or combining (sum, product, max, min, and, or,
 xor, first-index argmax/argmin, running top-k, a scatter's running result)

@@ -23,7 +23,8 @@ from .emit import LoopPlan
 from .fuse import fuse_shard_maps
 from .narrow import narrow_slices
 from .options import SplitOptions
-from .plan import eqn_key, harmonise_chunks, has_large_max, plan_round, recompute_where_it_helps, record_dot_axes
+from .plan import (eqn_key, harmonise_chunks, harmonise_tails, has_large_max, plan_round, recompute_where_it_helps,
+                   record_dot_axes)
 from .region import seeds
 from .report import error_text, first_location, report_skip, report_split, tag_inside
 
@@ -117,6 +118,7 @@ def split_level(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
     current = narrowed
     broken: set = set()
     chunks_of_dots: dict = {}   # the chunk of each product recomputed in a loop (harmonise_chunks)
+    tails_of_dots: dict = {}    # whether its loops end with an overlapping step (harmonise_tails)
     dot_axes: dict = {}         # the axis each product is cut along (plan_round)
     staging_tries = 2  # looking for two-pass values costs re-planning: twice per level at most
     for _ in range(options.max_rounds):
@@ -135,6 +137,7 @@ def split_level(closed: jx.ClosedJaxpr, config: Config, report: PassReport,
                 report_skip(report, jaxpr, seed, index, reason)
             break
         harmonise_chunks(jaxpr, plans, chunks_of_dots)
+        harmonise_tails(jaxpr, plans, tails_of_dots, options.overlap_last_step)
         record_dot_axes(jaxpr, plans, dot_axes)
         built = _rewrite_isolating_failures(current, jaxpr, plans, report, broken)
         if built is None:

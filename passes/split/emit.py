@@ -2,9 +2,13 @@
 
 :class:`LoopPlan` turns a :class:`~.region.SplitRegion` into the
 ``build`` function of an interpreter :class:`~hlopass.interpreter.Replacement`:
-a ``fori_loop`` over ``size // chunk`` slices of the split axis, plus one
-remainder step of ``size % chunk`` when the chunk does not divide the axis
-(never padding, so nothing fake can win a max, a min or a top-k). Each step
+a ``fori_loop`` over ``size // chunk`` slices of the split axis. When the chunk
+does not divide the axis (never padding, so nothing fake can win a max, a min or
+a top-k), the loop runs one more whole step moved back to end at the axis's end
+(:attr:`LoopPlan.overlap_tail`; its rows shared with the step before count once
+in each reduction, as the monoid's identity in every other step), or, where a
+step depends on the ones before (:func:`can_overlap`), one remainder step of
+``size % chunk`` after it, which XLA compiles as a second copy. Each step
 slices the region's inputs with ``dynamic_slice``, re-binds the region's
 equations on the slices, and
 
@@ -78,6 +82,10 @@ class LoopPlan:
     #: products and sums): XLA:CPU cannot run a 16-bit dot into float32 for some operand layouts
     #: ("Unsupported element type for DotThunk::Execute", fresh seed s937818910445)
     upcast_16_bit_dots: bool = False
+    #: when the chunk does not divide the axis, the last step is a whole chunk ending at the axis's end
+    #: (overlapping the step before it) instead of a short step XLA compiles a second time; see
+    #: :attr:`overlaps` and :func:`can_overlap`
+    overlap_tail: bool = False
 
     @functools.cached_property
     def carried(self) -> list:
@@ -120,6 +128,12 @@ class LoopPlan:
     @property
     def iterations(self) -> int:
         return -(-self.region.size // self.chunk)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the loop ends with an overlapping step: asked for, and a chunk that leaves a remainder
+        after at least one whole step."""
+        return self.overlap_tail and self.region.size > self.chunk and self.region.size % self.chunk != 0
 
     def output_axis(self, var) -> int | None:
         return self.region.var_axis[var]
@@ -197,6 +211,8 @@ class LoopPlan:
             if i in self.region.scans and carries[i].dtype != eqn.outvars[0].aval.dtype:
                 # a 16-bit cumulative sum or product runs in float32 within the slice too
                 invals = [invals[0].astype(carries[i].dtype), *invals[1:]]
+            if self.overlaps and i in self.region.reducing:
+                invals = self._without_shared_rows(i, eqn, invals, start)
             outs, extra = self._bind(i, eqn, invals, start, size)
             if running is not None and eqn.outvars[0] in running:  # the running maximum (NaN first), its flags
                 outs = [combine(self.region.reducing[i], running[eqn.outvars[0]], outs[0])]
@@ -217,6 +233,27 @@ class LoopPlan:
             results += self.scales(entries, whole)
         results += [new_carries[i] for i in sorted(self.region.scans)]
         return results
+
+    def _without_shared_rows(self, i: int, eqn, invals, start) -> list:
+        """Operands of reduction ``i`` whose rows the overlapping last step covers again replaced by the
+        monoid's identity, in every step but the last: each row enters the reduction once, from the step
+        that also writes it last (so a value written by one loop and summed by another rounds alike)."""
+        last = self.region.size - self.chunk
+        masked = list(invals)
+        for pos, atom in enumerate(eqn.invars):
+            axis = self.region.operand_axis.get((i, pos))
+            if not isinstance(atom, jx.Var) or axis is None:
+                continue
+            value = invals[pos]
+            shape = [1] * jnp.ndim(value)
+            shape[axis] = jnp.shape(value)[axis]
+            rows = start + lax.broadcasted_iota(jnp.int32, tuple(shape), axis)
+            keep = (rows < last) | (start == last)
+            dtype = jnp.result_type(value)
+            fill = jnp.zeros((), dtype) if eqn.primitive.name == "dot_general" else \
+                identity(self.region.reducing[i], dtype)
+            masked[pos] = jnp.where(keep, value, fill)
+        return masked
 
     def _bind(self, i: int, eqn, invals, start, size: int):
         """Results of equation ``i`` on a slice (global indices), and an arg-reduction's value."""
@@ -412,6 +449,9 @@ class LoopPlan:
             loop_from = 0
 
         def body(it, state):
+            if self.overlaps:
+                start = jnp.minimum(it * chunk, size - chunk).astype(jnp.int32)
+                return accumulate(state, start, step(start, *input_values, *running(state)))
             start = ((full - 1 - it) * chunk if reverse else it * chunk).astype(jnp.int32)
             return accumulate(state, start, step(start, *input_values, *running(state)))
 
@@ -424,6 +464,8 @@ class LoopPlan:
         for i in scans:
             aval = self.carry_aval(i)
             state.append(jnp.full(aval.shape, _scan_identity(self.region.scans[i][0], aval.dtype), aval.dtype))
+        if self.overlaps:
+            full, remainder = full + 1, 0
         if remainder and reverse:  # a reverse cumulative op runs from the end: the short last slice first
             state = tail(state)
         if full > loop_from and self.unroll:
@@ -540,6 +582,19 @@ class LoopPlan:
         best, where = bind_equation(eqn, [values])
         new_state[slots[0]] = best
         new_state[slots[1]] = jnp.take_along_axis(indices, where.astype(jnp.int32), axis=axis)
+
+
+def can_overlap(plan: LoopPlan) -> bool:
+    """Whether ``plan``'s loop may end with an overlapping step (:attr:`LoopPlan.overlap_tail`): every
+    result is written along the axis or reduced by an elementwise monoid (a row left out of one step's
+    sum is the identity there), and no step depends on the ones before it (no running maximum of an
+    online region, scan, scatter, ``top_k`` or arg-reduction, whose repeated rows would count twice or
+    tie); not for written-out steps, a step split again (its inner planning would see the mask) or
+    products of thin operands bound together (accelerators)."""
+    region = plan.region
+    return (not plan.unroll and not plan.fuse_thin_dots and region.online is None and not region.scans
+            and not plan.scatters and not getattr(plan.candidate, "nested", False)
+            and all(monoid in ELEMENTWISE_MONOIDS for monoid in region.reducing.values()))
 
 
 #: A ``dot_general`` operand is thin when its free dimensions hold at most this many elements.

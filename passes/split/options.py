@@ -25,6 +25,11 @@ class SplitOptions:
     #: split, remat and core tests such a search that keeps a copy keeps it by its 6th planning; on
     #: the forced Transformer step (``tools/bench_compile.py``) 15 plannings kept nothing (0.8 s).
     max_unnesting_plannings: int = 8
+    #: A loop whose chunk does not divide its axis ends with a whole step moved back to end at the axis's
+    #: end (overlapping the step before; the shared rows count once), where every loop recomputing the
+    #: same product can (``plan.harmonise_tails``); else with a short step, which XLA compiles as a second
+    #: copy of the loop body. ``False``: always the short step.
+    overlap_last_step: bool = True
     #: One iteration's values live at once (estimated, fusion-aware) stay within this many split sizes.
     live_budget: float = 1.0
     #: Inside a step, reductions over a last axis this short are unrolled (0: never; see ``unroll.py``)...

@@ -27,7 +27,7 @@ from hlopass.graph import DataflowGraph
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 from hlopass.report import PassReport, source_line
 
-from .emit import LoopPlan, fusible_dot
+from .emit import LoopPlan, can_overlap, fusible_dot
 from .options import SplitOptions
 from .recompute import Staging
 from .region import FUSIBLE_PRODUCERS, FUSING_CONSUMERS, Infeasible, SplitRegion, grow_region, seed_labels, seeds
@@ -295,12 +295,7 @@ def harmonise_chunks(jaxpr, plans, recorded: dict) -> None:
     another, the probabilities no longer sum to one: a float32 gradient 25 times its own scale
     off (fresh seed r73655148886). A smaller chunk always fits.
     """
-    keys = []
-    for plan in plans:
-        region = plan.region
-        keys.append({(eqn_key(jaxpr.eqns[i]), region.size, region.var_axis.get(jaxpr.eqns[i].outvars[0]))
-                     for i in region.eqns if jaxpr.eqns[i].primitive.name == "dot_general"
-                     and region.var_axis.get(jaxpr.eqns[i].outvars[0]) is not None})
+    keys = [_dot_keys(jaxpr, plan) for plan in plans]
     changed = True
     while changed:
         changed = False
@@ -315,6 +310,39 @@ def harmonise_chunks(jaxpr, plans, recorded: dict) -> None:
             if chunk < plan.chunk:
                 plan.chunk = chunk
                 changed = True
+
+
+def _dot_keys(jaxpr, plan) -> set:
+    """The products ``plan``'s loop computes along its axis: (product, axis length, axis)."""
+    region = plan.region
+    return {(eqn_key(jaxpr.eqns[i]), region.size, region.var_axis.get(jaxpr.eqns[i].outvars[0]))
+            for i in region.eqns if jaxpr.eqns[i].primitive.name == "dot_general"
+            and region.var_axis.get(jaxpr.eqns[i].outvars[0]) is not None}
+
+
+def harmonise_tails(jaxpr, plans, recorded: dict, allowed: bool = True) -> None:
+    """End every loop that can (:func:`.emit.can_overlap`) with an overlapping whole step instead of a
+    short one, which XLA compiles as a second copy of the step, except a loop that recomputes a product
+    that a loop ending short recomputes too, this round or an earlier one of the level (``recorded``:
+    each product's choice): the two would round the product's last rows differently (see
+    :func:`harmonise_chunks`). A step split again keeps its short step, as its chunk is its own. Not
+    ``allowed`` (``SplitOptions.overlap_last_step``): every loop ends short."""
+    plans = [plan for plan in plans if not getattr(plan.candidate, "nested", False)]
+    keys = [_dot_keys(jaxpr, plan) for plan in plans]
+    overlapping = [allowed and can_overlap(plan) for plan in plans]
+    short = {k for k, overlaps in recorded.items() if not overlaps}
+    short |= {k for own, overlaps in zip(keys, overlapping) if not overlaps for k in own}
+    changed = True
+    while changed:
+        changed = False
+        for n, own in enumerate(keys):
+            if overlapping[n] and own & short:
+                overlapping[n], changed = False, True
+                short |= own
+    for plan, own, overlaps in zip(plans, keys, overlapping):
+        plan.overlap_tail = overlaps
+        for k in own:
+            recorded[k] = recorded.get(k, overlaps) and overlaps
 
 
 def has_large_max(jaxpr, large: int) -> bool:

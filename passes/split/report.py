@@ -71,7 +71,7 @@ def report_split(report: PassReport, jaxpr, plan: LoopPlan, candidate) -> None:
     how = "accumulated" if region.reducing else "written slice by slice"
     summary = (f"split {seed.primitive.name} over axis {axis} of {aval_str(axis_var.aval)} "
                f"(length {region.size}) into {plan.iterations} iterations of {plan.chunk}"
-               f"{f' (last {remainder})' if remainder else ''}, {len(region.eqns)} equations per iteration, "
+               f"{_last_step(plan, remainder)}, {len(region.eqns)} equations per iteration, "
                f"{how}; largest tensor {format_size(region.largest_bytes(jaxpr))} -> {format_size(chunk_bytes)}"
                f"{' per device' if any(v in sharded_values(jaxpr) for v in region.var_axis) else ''}"
                f"{' per step, split again inside (nested)' if candidate.nested else ''}")
@@ -81,7 +81,15 @@ def report_split(report: PassReport, jaxpr, plan: LoopPlan, candidate) -> None:
                    chunk=plan.chunk, chunk_bytes=chunk_bytes, largest_before=region.largest_bytes(jaxpr),
                    largest_after=chunk_bytes, equations=len(region.eqns), nested=candidate.nested,
                    reducers=sorted(jaxpr.eqns[i].primitive.name for i in region.reducing),
-                   outputs=len(plan.outputs))
+                   outputs=len(plan.outputs), overlapping_last=plan.overlaps)
+
+
+def _last_step(plan: LoopPlan, remainder: int) -> str:
+    if not remainder:
+        return ""
+    if plan.overlaps:
+        return f" (the last overlapping the one before by {plan.chunk - remainder})"
+    return f" (last {remainder})"
 
 
 _MONOID_STATE = {"add": "sum", "mul": "product", "max": "maximum", "min": "minimum", "and": "and", "or": "or",

@@ -680,7 +680,8 @@ def test_split_leaves_a_bfloat16_short_reduction_whole():
     70656) and the softmax flipped (0.5 against 1). Writing the three terms out by hand in plain JAX
     gives the same 70144; regions holding 16-bit floats are no longer unrolled. Each step now gives,
     bit for bit, what ``jax.jit`` gives on the same rows by hand (XLA's bfloat16 rounding depends on
-    the shape: the 7-row last step is further from the float32 run than the whole, by hand too)."""
+    the shape; the last step is a whole chunk ending at the last row, overlapping the one before, by hand
+    too: a 7-row step was further from the float32 run than the whole)."""
     rng = np.random.default_rng(5)
     x = jnp.cumsum(jnp.asarray(rng.normal(size=(439, 3)), jnp.bfloat16), axis=0, dtype=jnp.bfloat16)
     y = jnp.asarray(rng.normal(size=(219, 3)), jnp.bfloat16)
@@ -694,7 +695,10 @@ def test_split_leaves_a_bfloat16_short_reduction_whole():
     assert "unrolled" not in [r.kind for r in rewrites]
     (split,) = [r for r in rewrites if r.kind == "split"]
     rows = split.details["chunk"]
-    by_hand = jnp.concatenate([jax.jit(logits)(x[i:i + rows], y, w) for i in range(0, 439, rows)])
+    assert 439 % rows and split.details["overlapping_last"], split.summary
+    last = 439 - rows
+    steps = [jax.jit(logits)(x[i:i + rows], y, w) for i in range(0, last, rows)]
+    by_hand = jnp.concatenate([*steps, jax.jit(logits)(x[last:], y, w)[len(steps) * rows - last:]])
     np.testing.assert_array_equal(np.asarray(ours(x, y, w)), np.asarray(by_hand))
 
 
@@ -704,7 +708,8 @@ def test_split_float32_running_sum_rounds_as_the_same_chunks_by_hand():
     magnitudes adding to about 9e4 into ``dw`` = -0.0518; the split adds 34 chunks of 13 rows into a
     running float32 total, 8.9e-5 from the float64 run where ``jax.jit``'s single reduction is 7.8e-6
     from it. A documented deviation: the same chunks summed by hand in plain JAX (a ``fori_loop`` over
-    13-row slices) give the same value bit for bit."""
+    13-row slices, the last one ending at the last row with the rows it shares with the one before
+    left out of the one before) give the same value bit for bit."""
     from . import runner
     batch = runner.draw_batch("s1069745172457", size=8, only=3)
     (program,) = batch.programs
@@ -723,13 +728,15 @@ def test_split_float32_running_sum_rounds_as_the_same_chunks_by_hand():
                for r in p.rewrites if r.kind == "split"}
 
     def by_hand(d, ct):
-        full = d.shape[0] // rows
+        last = d.shape[0] - rows
 
         def body(k, total):
-            return total + jnp.tensordot(lax.dynamic_slice_in_dim(ct, k * rows, rows),
-                                         lax.dynamic_slice_in_dim(d, k * rows, rows), 2)
-        total = lax.fori_loop(0, full, body, jnp.zeros((), jnp.float32))
-        return total + jnp.tensordot(ct[full * rows:], d[full * rows:], 2)
+            start = jnp.minimum(k * rows, last)
+            keep = ((start + jnp.arange(rows) < last) | (start == last))[:, None]
+            return total + jnp.tensordot(jnp.where(keep, lax.dynamic_slice_in_dim(ct, start, rows), 0),
+                                         jnp.where(keep, lax.dynamic_slice_in_dim(d, start, rows), 0), 2)
+        assert d.shape[0] % rows
+        return lax.fori_loop(0, -(-d.shape[0] // rows), body, jnp.zeros((), jnp.float32))
 
     assert dw == float(jax.jit(by_hand)(d, ct))
     assert abs(dw - exact) > 5e-5 > abs(float(jax.jit(lambda d, ct: jnp.tensordot(ct, d, 2))(d, ct)) - exact)
