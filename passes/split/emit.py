@@ -587,12 +587,12 @@ class LoopPlan:
 def can_overlap(plan: LoopPlan) -> bool:
     """Whether ``plan``'s loop may end with an overlapping step (:attr:`LoopPlan.overlap_tail`): every
     result is written along the axis or reduced by an elementwise monoid (a row left out of one step's
-    sum is the identity there), and no step depends on the ones before it (no running maximum of an
-    online region, scan, scatter, ``top_k`` or arg-reduction, whose repeated rows would count twice or
-    tie); not for written-out steps, a step split again (its inner planning would see the mask) or
-    products of thin operands bound together (accelerators)."""
+    sum is the identity there; an online region's running maximum and rescaled sums too), and no step
+    depends on the ones before it otherwise (no scan, scatter, ``top_k`` or arg-reduction, whose
+    repeated rows would count twice or tie); not for written-out steps, a step split again (its inner
+    planning would see the mask) or products of thin operands bound together (accelerators)."""
     region = plan.region
-    return (not plan.unroll and not plan.fuse_thin_dots and region.online is None and not region.scans
+    return (not plan.unroll and not plan.fuse_thin_dots and not region.scans
             and not plan.scatters and not getattr(plan.candidate, "nested", False)
             and all(monoid in ELEMENTWISE_MONOIDS for monoid in region.reducing.values()))
 

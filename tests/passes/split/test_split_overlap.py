@@ -2,9 +2,10 @@
 
 The last step covers the axis's last ``chunk`` rows, overlapping the step before it, so XLA compiles
 the step once instead of a second, shorter copy. Rows the two steps share enter each reduction once,
-from the last step, which also writes them last. Loops whose steps depend on the ones before (online
-regions, scans, scatters, ``top_k``, arg-reductions) keep their short step, and so does every loop
-that recomputes a product one of those recomputes (``harmonise_tails``).
+from the last step, which also writes them last (an online softmax's running maximum and rescaled sums
+too). Loops whose steps depend on the ones before otherwise (scans, scatters, ``top_k``,
+arg-reductions) keep their short step, and so does every loop that recomputes a product one of those
+recomputes (``harmonise_tails``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,25 @@ def test_integer_and_boolean_reductions():
     assert done and all(r.details["overlapping_last"] for r in done), done
     for got, want in zip(f(i, j), jax.jit(fn)(i, j)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_an_online_softmax_overlaps_its_last_step(dtype):
+    """A log-sum-exp and a softmax-weighted sum down the rows (a running maximum, sums rescaled by it):
+    the largest logit sits in a row the last two steps share, so a second count of it would add one
+    to a sum of terms at most one."""
+    n = 1009
+
+    def fn(x, y, v):
+        logits = x @ y.T
+        return jax.nn.logsumexp(logits, axis=0), jax.nn.softmax(logits, axis=0).T @ v
+
+    with jax.enable_x64(dtype == jnp.float64):
+        x, y, v = np.array(normal(0, (n, 3), dtype)), normal(1, (5, 3), dtype), normal(2, (n,), dtype)
+        split = the_split(split_jit(fn, 4_000).trace(x, y, v).report)
+        assert split.details["overlapping_last"] and "running maximum" in split.summary, split.summary
+        x[n - split.details["chunk"]] = 4 * np.sign(np.asarray(y)[0])   # the largest logit of column 0
+        check(fn, jnp.asarray(x), y, v, threshold=4_000, grad_argnums=(0, 1, 2))
 
 
 @pytest.mark.parametrize("fn", [
