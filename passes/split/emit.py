@@ -382,6 +382,8 @@ class LoopPlan:
         """Values of ``self.outputs`` computed by the loop (the Replacement's builder)."""
         size, chunk = self.region.size, self.chunk
         full, remainder = divmod(size, chunk)
+        if self.overlaps:  # one more whole step, ending at the axis's end, instead of a short one
+            full, remainder = full + 1, 0
         step = self.step_function(chunk)
         arg_outputs = [v for v in self.carried if self._is_arg_reduced(v)]
         has_top_k = any(self._monoid_or_none(v) == "top_k" for v in self.carried)
@@ -451,8 +453,8 @@ class LoopPlan:
         def body(it, state):
             if self.overlaps:
                 start = jnp.minimum(it * chunk, size - chunk).astype(jnp.int32)
-                return accumulate(state, start, step(start, *input_values, *running(state)))
-            start = ((full - 1 - it) * chunk if reverse else it * chunk).astype(jnp.int32)
+            else:
+                start = ((full - 1 - it) * chunk if reverse else it * chunk).astype(jnp.int32)
             return accumulate(state, start, step(start, *input_values, *running(state)))
 
         def tail(state):
@@ -464,8 +466,6 @@ class LoopPlan:
         for i in scans:
             aval = self.carry_aval(i)
             state.append(jnp.full(aval.shape, _scan_identity(self.region.scans[i][0], aval.dtype), aval.dtype))
-        if self.overlaps:
-            full, remainder = full + 1, 0
         if remainder and reverse:  # a reverse cumulative op runs from the end: the short last slice first
             state = tail(state)
         if full > loop_from and self.unroll:
