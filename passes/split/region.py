@@ -350,7 +350,14 @@ class _Grower:
                 raise Infeasible(i, f"{eqn.primitive.name} drops the split axis")
             self._set_size(region, i, var, axis)
             region.var_axis[var] = axis
-            if axis is None or isinstance(var, jx.DropVar):
+            if isinstance(var, jx.DropVar):
+                continue
+            for j in self.graph.uses(var):  # readers already in the region (grown backwards to here)
+                if j in region.eqns and j not in region.shift:
+                    for pos, atom in enumerate(self.eqns[j].invars):
+                        if atom is var:
+                            self._check_read(j, axis, region.operand_axis[(j, pos)])
+            if axis is None:
                 continue
             if self.large(var):  # a large value (a result of the program too) is written slice by slice
                 for j in self.graph.uses(var):
@@ -361,12 +368,24 @@ class _Grower:
             region.operand_axis[(i, pos)] = axis
             if not isinstance(atom, jx.Var):
                 continue
+            if atom in region.var_axis:
+                self._check_read(i, region.var_axis[atom], axis)
             self._set_size(region, i, atom, axis)
             producer = self.graph.producer.get(atom)
             if axis is not None and producer is not None and producer not in region.eqns \
                     and producer not in self.whole and (self.large(atom) or self._reads_large(producer)):
                 k = self.eqns[producer].outvars.index(atom)
                 queue.append((producer, self.dim_map(producer).outs[k][axis]))
+
+    @staticmethod
+    def _check_read(i: int, have, want) -> None:
+        """What :meth:`_check` would find of equation ``i`` reading a region value, raised as soon as both
+        axes are known (a region grown to its end only to fail was most of a planning's time). A reduced
+        value read without the axis is left to :meth:`_check`: it may turn out to be online."""
+        if have is None and want is not None:
+            raise Infeasible(i, "needs a value reduced over the split axis (that would take two passes)")
+        if have is not None and have != want:
+            raise Infeasible(i, "reads a region value along another axis")
 
     def _reads_large(self, i: int) -> bool:
         """Whether equation ``i`` reads a large value (then its small result is still worth recomputing)."""
