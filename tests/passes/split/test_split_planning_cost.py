@@ -1,0 +1,96 @@
+"""What keeps the split's planning and XLA's compile of its loops cheap, checked on the programs' structure
+(timings are the benchmarks' job: ``tools/bench_compile.py``, ``tools/bench_remat.py``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hlopass
+from hlopass.graph import DataflowGraph
+from hlopass.jaxpr_utils import subjaxprs
+from hlopass.passes.split import region as region_module
+from hlopass.passes.split.region import Infeasible, grow_region, seed_labels, seeds
+
+N = 1024  # x is N x N float32: 4 MB
+
+
+def transposed_then_long(a, b):
+    """A row sum of ``x + x.T`` (one loop cannot read ``x`` along both axes), and a long chain read from ``x``."""
+    x = jnp.exp(a @ b.T)
+    s = jnp.sum(x + x.T, axis=0)
+    z = x
+    for _ in range(40):
+        z = jnp.sin(z) + 0.5 * z
+    return s, jnp.sum(z, axis=1)
+
+
+def test_a_region_read_along_two_axes_fails_before_it_takes_in_the_rest(monkeypatch):
+    """The grower raises as soon as a region value is read along another axis (or a reduced value along
+    the axis), not after taking in every reader of every large value and checking at the end: a region
+    that fails was most of a planning's time on the Transformer blocks under their memory limit."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (N, 8))
+    b = jax.random.normal(jax.random.PRNGKey(1), (N, 8))
+    jaxpr = jax.make_jaxpr(transposed_then_long)(a, b).jaxpr
+    graph = DataflowGraph(jaxpr)
+    threshold = 1 << 20
+    added = []
+    real_add = region_module._Grower._add
+    monkeypatch.setattr(region_module._Grower, "_add", lambda self, *args: (added.append(args[1]), real_add(self, *args))[1])
+    first = min(seeds(jaxpr, threshold))  # the row sum of x + x.T
+    assert jaxpr.eqns[first].primitive.name == "reduce_sum"
+    failures = []
+    for label in seed_labels(jaxpr, first, threshold, graph):
+        added.clear()
+        try:
+            grow_region(jaxpr, graph, first, label, threshold)
+        except Infeasible as err:
+            failures.append((err.reason, len(added)))
+    assert failures, "each axis of x + x.T reads x along the other one"
+    for reason, count in failures:
+        assert reason == "reads a region value along another axis"
+        assert count < 20 < len(jaxpr.eqns) // 4, (count, len(jaxpr.eqns))
+
+
+def test_a_region_read_along_two_axes_is_reported_and_left_as_written():
+    a = jax.random.normal(jax.random.PRNGKey(0), (N - 3, 8))
+    b = jax.random.normal(jax.random.PRNGKey(1), (N - 3, 8))
+    f = hlopass.jit(transposed_then_long, threshold="1MB", passes="split")
+    report = f.trace(a, b).report
+    assert not report.rewrites
+    assert any("reads a region value along another axis" in s.reason for s in report.skipped), report.skipped
+    for got, want in zip(f(a, b), jax.jit(transposed_then_long)(a, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _jaxprs(jaxpr):
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for sub in subjaxprs(eqn):
+            yield from _jaxprs(sub)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_a_split_maxs_nan_flag_is_one_sum_of_the_slices_nans(reduce):
+    """A split max or min keeps NaN (the README's rule, whatever kernel XLA picks for a slice) with one
+    more reduction per step, the sum of the slice's NaN entries, not ``reduce_or(x != x)``, which XLA:CPU
+    compiled as three kernels in each loop."""
+    q = jax.random.normal(jax.random.PRNGKey(0), (127, 3)).at[5].set(jnp.nan)
+    p = jax.random.normal(jax.random.PRNGKey(1), (4001, 3))
+
+    def fn(q, p):
+        return getattr(jnp, reduce)(-jnp.sum((q[:, None, :] - p[None, :, :]) ** 2, -1), axis=1)
+    f = hlopass.jit(fn, threshold=100_000, passes="split")
+    closed = f.trace(q, p).rewritten_jaxpr
+    steps = [j for j in _jaxprs(closed.jaxpr) if any(e.primitive.name == f"reduce_{reduce}" for e in j.eqns)]
+    assert steps and all("while" not in [e.primitive.name for e in j.eqns] for j in steps)  # inside the loop
+    for step in steps:
+        names = [e.primitive.name for e in step.eqns]
+        assert "reduce_or" not in names
+        [reducer] = [e for e in step.eqns if e.primitive.name == f"reduce_{reduce}"]
+        shape = reducer.invars[0].aval.shape
+        flags = [e for e in step.eqns if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape == shape]
+        assert len(flags) == 1
+    got, want = np.asarray(f(q, p)), np.asarray(jax.jit(fn)(q, p))
+    assert np.isnan(got[5]).all() and not np.isnan(np.delete(got, 5)).any()
+    np.testing.assert_allclose(np.delete(got, 5), np.delete(want, 5), rtol=1e-6)
