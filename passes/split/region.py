@@ -46,6 +46,12 @@ SEED_PRIMITIVES = frozenset({"dot_general", "top_k", "triangular_solve", "gather
                              *SCATTER_MONOIDS, *REDUCTIONS, *ARG_REDUCTIONS, *CUMULATIVE})
 
 
+#: The longest final program (small values computed after the loop from its sums, :mod:`.online`) a region
+#: may have. Regions that split have 1 or 2 (softmax's ``1 / s``); one with hundreds spans the program
+#: between two layers' softmaxes and fails the online analysis after taking them all in: on the
+#: Transformer blocks under their memory limit, 330 of 760 growths took in about 500 equations each so.
+MAX_FINAL_EQUATIONS = 64
+
 #: Producers whose result XLA computes inside its consumer's loop (no buffer), and such consumers.
 FUSIBLE_PRODUCERS = ELEMENTWISE | LAYOUT | {"iota"}
 FUSING_CONSUMERS = ELEMENTWISE | set(REDUCTIONS) | ARG_REDUCTIONS | {"broadcast_in_dim"}
@@ -283,6 +289,9 @@ class _Grower:
                     self._add_shift(region, i)
                 continue
             final = final_equations(self.jaxpr, self.graph, region, between) if region.shift else []
+            if len(final) > MAX_FINAL_EQUATIONS:
+                raise Infeasible(final[0], f"{len(final)} equations to compute after the loop from its sums "
+                                           f"(at most {MAX_FINAL_EQUATIONS}): the region spans the program")
             if final:  # small values computed from the sums (softmax's 1 / s): once, after the loop
                 for i in final:
                     self._add_shift(region, i)
