@@ -221,6 +221,9 @@ class _Bits(Sequence):
     def __len__(self) -> int:
         return self.mask.bit_count()
 
+    def __contains__(self, i) -> bool:
+        return isinstance(i, int) and i >= 0 and bool(self.mask >> i & 1)
+
     def __iter__(self):
         return iter(self._list())
 

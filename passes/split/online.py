@@ -46,6 +46,7 @@ axis, or a sum along a dimension along which the shift varies, is not online.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import jax.numpy as jnp
 import numpy as np
@@ -93,63 +94,56 @@ def running_reducers(jaxpr: jx.Jaxpr, region) -> list[int]:
                   and (monoid in ("or", "and") or jnp.issubdtype(eqns[i].outvars[0].aval.dtype, jnp.floating)))
 
 
-def shift_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[int]:
+def shift_equations(jaxpr: jx.Jaxpr, graph, region, between) -> list[int]:
     """The equations of ``between`` (outside ``region`` on a path from it back into it) that read only
     results of the region's floating ``reduce_max`` es, other such equations, and values computed
     outside the region; in program order. Empty when there are none."""
-    producer = graph.producer
-    eqns = jaxpr.eqns
-    maxes = {v for i in running_reducers(jaxpr, region) for v in eqns[i].outvars}
+    maxes = {v for i in running_reducers(jaxpr, region) for v in jaxpr.eqns[i].outvars}
     if not maxes:
         return []  # an equation on a path from the region reads a region value: none is a maximum
-    found: set[int] = set()
-    between_set = set(between)
-    for i in sorted(between_set):  # program order: an equation's producers are decided before it
-        eqn = eqns[i]
-        if eqn.effects:
-            continue
-        ok = True
-        for atom in eqn.invars:
-            if not isinstance(atom, jx.Var):
-                continue
-            j = producer.get(atom)
-            if atom in maxes or j in found:
-                continue
-            if j is None or (j not in region.eqns and j not in between_set):
-                continue  # an input of the program or a value computed before the region
-            ok = False
-            break
-        if ok:
-            found.add(i)
-    return sorted(found)
+    return _reading_only(jaxpr, graph, region, between, maxes)
 
 
-def final_equations(jaxpr: jx.Jaxpr, graph, region, between: list[int]) -> list[int]:
+def final_equations(jaxpr: jx.Jaxpr, graph, region, between, limit: int | None = None) -> list[int]:
     """The equations of ``between`` that read only results of the region's sums (and running
     reductions, shift values, other such equations, values from outside): the *final program*, evaluated
-    once after the loop (the ``1 / s`` of ``softmax(x) @ V``); in program order."""
-    producer = graph.producer
+    once after the loop (the ``1 / s`` of ``softmax(x) @ V``); in program order. With ``limit``, at most
+    ``limit + 1`` of them (enough to tell that there are more than ``limit``)."""
     eqns = jaxpr.eqns
     sources = {v for i, monoid in region.reducing.items() if monoid in ("add", *RUNNING) for v in eqns[i].outvars}
     sources |= {v for i in region.shift for v in eqns[i].outvars}
     if not sources:
         return []
+    return _reading_only(jaxpr, graph, region, between, sources, limit)
+
+
+def _reading_only(jaxpr: jx.Jaxpr, graph, region, between, sources: set, limit: int | None = None) -> list[int]:
+    """The equations of ``between`` without effects whose every operand is in ``sources``, a result of
+    another such equation, or computed outside the region and ``between``; in program order.
+
+    Every equation of ``between`` reads the region or ``between`` (it lies on a path from the region),
+    so each one found reads ``sources`` or another one found: they are found from the readers of
+    ``sources`` forwards, in program order (an equation's producers decided before it), not by a
+    sweep over ``between``, which spans the program for a region that does."""
+    producer, eqns = graph.producer, jaxpr.eqns
+    inside = between.__contains__ if hasattr(between, "mask") else set(between).__contains__
     found: set[int] = set()
-    between_set = set(between)
-    for i in sorted(between_set):  # program order: an equation's producers are decided before it
+    queue = sorted({j for v in sources for j in graph.uses(v) if inside(j)})
+    queued = set(queue)
+    while queue:
+        i = heapq.heappop(queue)
         if eqns[i].effects:
             continue
-        ok = True
-        for atom in eqns[i].invars:
-            if not isinstance(atom, jx.Var) or atom in sources:
-                continue
-            j = producer.get(atom)
-            if j in found or j is None or (j not in region.eqns and j not in between_set):
-                continue
-            ok = False
-            break
-        if ok:
+        if all(not isinstance(atom, jx.Var) or atom in sources or (j := producer.get(atom)) is None or j in found
+               or (j not in region.eqns and not inside(j)) for atom in eqns[i].invars):
             found.add(i)
+            if limit is not None and len(found) > limit:
+                break
+            for var in eqns[i].outvars:
+                for j in graph.uses(var):
+                    if j not in queued and inside(j):
+                        queued.add(j)
+                        heapq.heappush(queue, j)
     return sorted(found)
 
 

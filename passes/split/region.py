@@ -288,10 +288,11 @@ class _Grower:
                 for i in shift:
                     self._add_shift(region, i)
                 continue
-            final = final_equations(self.jaxpr, self.graph, region, between) if region.shift else []
+            final = final_equations(self.jaxpr, self.graph, region, between, MAX_FINAL_EQUATIONS) \
+                if region.shift else []
             if len(final) > MAX_FINAL_EQUATIONS:
-                raise Infeasible(final[0], f"{len(final)} equations to compute after the loop from its sums "
-                                           f"(at most {MAX_FINAL_EQUATIONS}): the region spans the program")
+                raise Infeasible(final[0], f"more than {MAX_FINAL_EQUATIONS} equations to compute after the loop "
+                                           f"from its sums: the region spans the program")
             if final:  # small values computed from the sums (softmax's 1 / s): once, after the loop
                 for i in final:
                     self._add_shift(region, i)

@@ -94,3 +94,62 @@ def test_a_split_maxs_nan_flag_is_one_sum_of_the_slices_nans(reduce):
     got, want = np.asarray(f(q, p)), np.asarray(jax.jit(fn)(q, p))
     assert np.isnan(got[5]).all() and not np.isnan(np.delete(got, 5)).any()
     np.testing.assert_allclose(np.delete(got, 5), np.delete(want, 5), rtol=1e-6)
+
+
+def _swept(jaxpr, graph, region, between, sources) -> list[int]:
+    """The equations of ``between`` reading only ``sources``, others found, or outside values, by a sweep
+    over all of ``between`` in program order (what ``online`` did before it searched forwards)."""
+    found: set[int] = set()
+    inside = set(between)
+    for i in sorted(inside):
+        if jaxpr.eqns[i].effects:
+            continue
+        if all(not hasattr(a, "aval") or type(a).__name__ == "Literal" or a in sources
+               or (j := graph.producer.get(a)) is None or j in found or (j not in region.eqns and j not in inside)
+               for a in jaxpr.eqns[i].invars):
+            found.add(i)
+    return sorted(found)
+
+
+def test_shift_and_final_programs_are_what_a_sweep_over_the_whole_between_finds(monkeypatch):
+    """The shift and final programs are found forwards from the readers of the running maxima and sums;
+    on two stacked attention blocks' gradient and a masked softmax, every answer equals a sweep over all
+    the equations between the region and itself."""
+    from hlopass.passes.split import online
+    from tools.bench_remat import transformer_loss
+    asked = []
+
+    def checked(name, sources_of):
+        real = getattr(online, name)
+
+        def check(jaxpr, graph, region, between, *rest):
+            got = real(jaxpr, graph, region, between, *rest)
+            want = _swept(jaxpr, graph, region, list(between), sources_of(jaxpr, region))
+            limit = rest[0] if rest else None
+            assert got == (want[:limit + 1] if limit is not None and len(want) > limit else want)
+            asked.append((name, len(got)))
+            return got
+        monkeypatch.setattr(online, name, check)
+        monkeypatch.setattr(region_module, name, check)
+
+    checked("shift_equations", lambda jaxpr, region: {
+        v for i in online.running_reducers(jaxpr, region) for v in jaxpr.eqns[i].outvars})
+    checked("final_equations", lambda jaxpr, region: {
+        v for i, m in region.reducing.items() if m in ("add", *online.RUNNING) for v in jaxpr.eqns[i].outvars}
+        | {v for i in region.shift for v in jaxpr.eqns[i].outvars})
+    rng = np.random.default_rng(0)
+    shapes = [(16, 16)] * 4 + [(16, 32), (32, 16)]
+    params = [tuple(jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in shapes) for _ in range(2)]
+    x = jnp.asarray(rng.standard_normal((127, 16)), jnp.float32)
+    grad = jax.grad(transformer_loss)
+    f = hlopass.jit(grad, threshold=int(0.6 * 127 * 127 * 4), passes="split")
+    assert f.trace(params, x).report.rewrites
+
+    def masked(q, k, v):
+        s = q @ k.T
+        return jax.nn.softmax(s, axis=1, where=s > -1.0) @ v
+    q, k, v = (jnp.asarray(rng.standard_normal((301, 8)), jnp.float32) for _ in range(3))
+    g = hlopass.jit(masked, threshold=100_000, passes="split")
+    assert g.trace(q, k, v).report.rewrites
+    np.testing.assert_allclose(g(q, k, v), jax.jit(masked)(q, k, v), rtol=2e-5, atol=1e-5)
+    assert {name for name, n in asked if n} == {"shift_equations", "final_equations"}, asked
