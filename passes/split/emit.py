@@ -749,11 +749,8 @@ NAN_PROPAGATING = ("reduce_max", "reduce_min")
 
 
 def _propagate_nan(operand, reduced, axes):
-    # The sum of a slice's NaN entries (zero elsewhere) is NaN where it has one: one reduction with its
-    # select fused in, where reduce_or(x != x) was three kernels on XLA:CPU (a tenth of the forced
-    # Sinkhorn solve's compile); a sum keeps NaN in every kernel.
-    nans = lax.reduce_sum(lax.select(lax.ne(operand, operand), operand, lax.full_like(operand, 0)), tuple(axes))
-    return lax.select(lax.ne(nans, nans), lax.full_like(reduced, jnp.nan), reduced)
+    has_nan = lax.reduce_or(lax.ne(operand, operand), tuple(axes))
+    return lax.select(has_nan, lax.full_like(reduced, jnp.nan), reduced)
 
 
 def _positive_nan(values):

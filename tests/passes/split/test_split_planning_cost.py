@@ -1,14 +1,12 @@
-"""What keeps the split's planning and XLA's compile of its loops cheap, checked on the programs' structure
+"""What keeps the split's planning cheap, checked on what it does rather than on its seconds
 (timings are the benchmarks' job: ``tools/bench_compile.py``, ``tools/bench_remat.py``)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import hlopass
 from hlopass.graph import DataflowGraph
-from hlopass.jaxpr_utils import subjaxprs
 from hlopass.passes.split import region as region_module
 from hlopass.passes.split.region import Infeasible, grow_region, seed_labels, seeds
 
@@ -61,39 +59,6 @@ def test_a_region_read_along_two_axes_is_reported_and_left_as_written():
     assert any("reads a region value along another axis" in s.reason for s in report.skipped), report.skipped
     for got, want in zip(f(a, b), jax.jit(transposed_then_long)(a, b)):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-
-
-def _jaxprs(jaxpr):
-    yield jaxpr
-    for eqn in jaxpr.eqns:
-        for sub in subjaxprs(eqn):
-            yield from _jaxprs(sub)
-
-
-@pytest.mark.parametrize("reduce", ["max", "min"])
-def test_a_split_maxs_nan_flag_is_one_sum_of_the_slices_nans(reduce):
-    """A split max or min keeps NaN (the README's rule, whatever kernel XLA picks for a slice) with one
-    more reduction per step, the sum of the slice's NaN entries, not ``reduce_or(x != x)``, which XLA:CPU
-    compiled as three kernels in each loop."""
-    q = jax.random.normal(jax.random.PRNGKey(0), (127, 3)).at[5].set(jnp.nan)
-    p = jax.random.normal(jax.random.PRNGKey(1), (4001, 3))
-
-    def fn(q, p):
-        return getattr(jnp, reduce)(-jnp.sum((q[:, None, :] - p[None, :, :]) ** 2, -1), axis=1)
-    f = hlopass.jit(fn, threshold=100_000, passes="split")
-    closed = f.trace(q, p).rewritten_jaxpr
-    steps = [j for j in _jaxprs(closed.jaxpr) if any(e.primitive.name == f"reduce_{reduce}" for e in j.eqns)]
-    assert steps and all("while" not in [e.primitive.name for e in j.eqns] for j in steps)  # inside the loop
-    for step in steps:
-        names = [e.primitive.name for e in step.eqns]
-        assert "reduce_or" not in names
-        [reducer] = [e for e in step.eqns if e.primitive.name == f"reduce_{reduce}"]
-        shape = reducer.invars[0].aval.shape
-        flags = [e for e in step.eqns if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape == shape]
-        assert len(flags) == 1
-    got, want = np.asarray(f(q, p)), np.asarray(jax.jit(fn)(q, p))
-    assert np.isnan(got[5]).all() and not np.isnan(np.delete(got, 5)).any()
-    np.testing.assert_allclose(np.delete(got, 5), np.delete(want, 5), rtol=1e-6)
 
 
 def _swept(jaxpr, graph, region, between, sources) -> list[int]:
