@@ -126,7 +126,7 @@ def _reading_only(jaxpr: jx.Jaxpr, graph, region, between, sources: set, limit: 
     ``sources`` forwards, in program order (an equation's producers decided before it), not by a
     sweep over ``between``, which spans the program for a region that does."""
     producer, eqns = graph.producer, jaxpr.eqns
-    inside = between.__contains__ if hasattr(between, "mask") else set(between).__contains__
+    inside = (between if hasattr(between, "mask") else set(between)).__contains__   # a bit set answers itself
     found: set[int] = set()
     queue = sorted({j for v in sources for j in graph.uses(v) if inside(j)})
     queued = set(queue)
