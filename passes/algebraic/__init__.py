@@ -61,9 +61,10 @@ from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
 
+from .bounds import RemovalBounds
 from .expansion import ExpansionLimits, Scope
 from .match import (Candidate, classify, finite_guard, find_candidate, keep_effective, location, may_save_exactly,
-                    same_products, touches_large)
+                    reported_however, same_products, touches_large)
 
 __all__ = ["AlgebraicPass", "Candidate", "REORDERS_PRODUCTS", "ROOT_PRIMITIVES", "classify", "finite_guard",
            "find_candidate", "inline_calls_everywhere", "keep_effective"]
@@ -99,11 +100,15 @@ class AlgebraicPass(Pass):
     def run_level(self, closed: jx.ClosedJaxpr, config, report) -> jx.ClosedJaxpr:
         jaxpr = closed.jaxpr
         scope = Scope(jaxpr)
+        bounds = None
         later = self.later_provides(REORDERS_PRODUCTS)
         found = []
         for i, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive.name not in ROOT_PRIMITIVES or not (
                     touches_large(eqn, config.threshold) or may_save_exactly(eqn, scope)):
+                continue
+            bounds = bounds or RemovalBounds(jaxpr)
+            if not (reported_however(eqn, config.threshold) or bounds.may_remove(eqn)):
                 continue
             try:
                 candidate = find_candidate(jaxpr, i, config.threshold, report, later, scope, self.options)

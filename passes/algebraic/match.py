@@ -229,6 +229,13 @@ def _is_large(eqn, threshold) -> bool:
 
 
 
+def reported_however(eqn, threshold) -> bool:
+    """Whether :func:`find_candidate` may name root ``eqn`` in the report even where its expansion
+    removes nothing (a sum of a tensor larger than its result and than the threshold)."""
+    return _is_large(eqn, threshold)
+
+
+
 def _reads_computed_operand_sized(expander: Expander, eqn) -> bool:
     """The expansion stopped at a computed value as large as the root's operand (an ``abs``, say)."""
     size = aval_nbytes(eqn.invars[0].aval)
