@@ -75,8 +75,8 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
     claimed: set[int] = set()
     unrolled = unrolled_lengths(jaxpr, graph, options.unroll_max_length, options.unroll_min_elements) \
         if _on_accelerator(options) and options.unroll_max_length else {}
-    for seed in reversed(seeds(jaxpr, config.threshold)):  # the last reducer covers the longest chain
-        if seed in claimed or eqn_key(jaxpr.eqns[seed]) in broken:
+    for seed in reversed(seeds(jaxpr, config.threshold, graph)):  # the last reducer covers the longest chain
+        if seed in claimed or (broken and eqn_key(jaxpr.eqns[seed]) in broken):
             continue
         try:
             candidate, why = _best_candidate(jaxpr, graph, seed, config, options, unrolled, axes)
@@ -90,7 +90,8 @@ def plan_round(jaxpr, graph, config: Config, report: PassReport, options: SplitO
             if below is not None and _score(plans, failures) >= below:
                 return None
             continue
-        if candidate.region.eqns & claimed or any(eqn_key(jaxpr.eqns[i]) in broken for i in candidate.region.reducing):
+        if candidate.region.eqns & claimed or (broken and any(eqn_key(jaxpr.eqns[i]) in broken
+                                                              for i in candidate.region.reducing)):
             continue  # overlaps a region split this round; looked at again next round
         claimed |= candidate.region.eqns
         axes.update(_dot_axes(jaxpr, candidate.region))

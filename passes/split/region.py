@@ -181,12 +181,12 @@ class SplitRegion:
         return need
 
 
-def seeds(jaxpr: jx.Jaxpr, threshold: int) -> list[int]:
+def seeds(jaxpr: jx.Jaxpr, threshold: int, graph: DataflowGraph | None = None) -> list[int]:
     """Reducing equations with an operand above ``threshold`` bytes and results at most that
     (or at most half the operand: with a tiny threshold, ``top_k`` of many rows still reduces);
-    sizes are one device's shares (:mod:`.shares`)."""
+    sizes are one device's shares (:mod:`.shares`). ``graph``: ``jaxpr``'s, where one is at hand."""
     found = []
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    producers = _ProducerEqns(graph) if graph is not None else {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     share = device_bytes(jaxpr)
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name not in SEED_PRIMITIVES:
@@ -335,18 +335,21 @@ class _Grower:
                 region.operand_axis[(i, pos)] = None
 
     def _add(self, region: SplitRegion, i: int, label, queue) -> None:
-        if i in region.eqns:
+        # The planner's innermost step (33,555 calls planning the Transformer blocks under their memory
+        # limit): dictionaries and rules are read through locals, and the axes of a label come kept.
+        taken = region.eqns
+        if i in taken:
             if region.label[i] != label:
                 raise Infeasible(i, "reached along two different axes")
             return
-        eqn = self.eqns[i]
-        if i in self.whole:
+        eqn, whole = self.eqns[i], self.whole
+        if i in whole:
             raise Infeasible(i, f"{eqn.primitive.name} is read outside the region too and lies on a path "
                                 f"through it (it is computed once, whole)")
         dm = self.dim_map(i)
         if label is None:
             raise Infeasible(i, f"{eqn.primitive.name} cannot be sliced along the split axis")
-        region.eqns.add(i)
+        taken.add(i)
         self._growing.add(i)
         region.label[i] = label
         if label in dm.reduced:
@@ -354,36 +357,44 @@ class _Grower:
             self._running = self._running or region.reducing[i] in RUNNING
         if label in dm.scanned:
             region.scans[i] = dm.scanned[label]
+        out_axes, in_axes = dm.axes_of(label)
+        uses, var_axis, operand_axis = self.graph.consumers, region.var_axis, region.operand_axis
         for k, var in enumerate(eqn.outvars):
-            axis = dm.out_axis(label, k)
-            if axis is None and i not in region.reducing:
-                raise Infeasible(i, f"{eqn.primitive.name} drops the split axis")
-            self._set_size(region, i, var, axis)
-            region.var_axis[var] = axis
+            axis = out_axes[k]
+            if axis is None:
+                if i not in region.reducing:
+                    raise Infeasible(i, f"{eqn.primitive.name} drops the split axis")
+            else:
+                self._set_size(region, i, var, axis)
+            var_axis[var] = axis
             if isinstance(var, jx.DropVar):
                 continue
-            for j in self.graph.uses(var):  # readers already in the region (grown backwards to here)
-                if j in region.eqns and j not in region.shift:
+            readers = uses.get(var, ())
+            for j in readers:  # readers already in the region (grown backwards to here)
+                if j in taken and j not in region.shift:
                     for pos, atom in enumerate(self.eqns[j].invars):
                         if atom is var:
-                            self._check_read(j, axis, region.operand_axis[(j, pos)])
+                            self._check_read(j, axis, operand_axis[(j, pos)])
             if axis is None:
                 continue
             if self.large(var):  # a large value (a result of the program too) is written slice by slice
-                for j in self.graph.uses(var):
-                    if j not in region.eqns and j not in self.whole:
+                for j in readers:
+                    if j not in taken and j not in whole:
                         queue.append((j, self._label_of_use(j, var, axis)))
+        producers, labelled = self.graph.producer, len(in_axes)
         for pos, atom in enumerate(eqn.invars):
-            axis = dm.in_axis(label, pos) if pos < len(dm.ins) else None
-            region.operand_axis[(i, pos)] = axis
+            axis = in_axes[pos] if pos < labelled else None
+            operand_axis[(i, pos)] = axis
             if not isinstance(atom, jx.Var):
                 continue
-            if atom in region.var_axis:
-                self._check_read(i, region.var_axis[atom], axis)
+            if atom in var_axis:
+                self._check_read(i, var_axis[atom], axis)
+            if axis is None:
+                continue
             self._set_size(region, i, atom, axis)
-            producer = self.graph.producer.get(atom)
-            if axis is not None and producer is not None and producer not in region.eqns \
-                    and producer not in self.whole and (self.large(atom) or self._reads_large(producer)):
+            producer = producers.get(atom)
+            if producer is not None and producer not in taken and producer not in whole \
+                    and (self.large(atom) or self._reads_large(producer)):
                 k = self.eqns[producer].outvars.index(atom)
                 queue.append((producer, self.dim_map(producer).outs[k][axis]))
 

@@ -54,6 +54,15 @@ class DimMap:
         """Dimension of operand ``k`` carrying ``label`` (``None`` if absent)."""
         return _index(self.ins[k], label)
 
+    def axes_of(self, label: Label) -> tuple[tuple, tuple]:
+        """``(out_axis(label, k) for every result, in_axis(label, k) for every operand)``, kept per label (a
+        region grower asks for every equation it takes in, on every planning)."""
+        kept = self.__dict__.setdefault("_axes_of", {})
+        found = kept.get(label)
+        if found is None:
+            found = kept[label] = (tuple(_index(o, label) for o in self.outs), tuple(_index(i, label) for i in self.ins))
+        return found
+
 
 def _index(labels, label):
     if label is None:
