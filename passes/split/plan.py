@@ -434,12 +434,16 @@ def _recompute_staged(current, plans, failures, config: Config, report: PassRepo
 
     # A worklist: a value whose copy did not help is tried again only after a sweep over the others
     # has kept some copy (re-trying every earlier value after each kept copy was most of the pass's time).
+    # Values of the program as written only: a copy's own copy was tried after each kept copy of a
+    # softmax's exponentials on the Transformer blocks under their memory limit, 2 of the search's 20
+    # plannings, and never kept there nor on 30 plannings of the compile and remat benches' programs
+    # (two thresholds or limits each; a scratch comparison of the reports).
     failed: set = set()
     improved = False
     for _ in range(len(current.jaxpr.eqns)):
         if _score(plans, failures) == (0, 0) or budget.spent:
             break
-        pending = [v for v in candidates_of(current.jaxpr) if v not in failed]
+        pending = [v for v in candidates_of(current.jaxpr) if v not in failed and origins.get(v, v) is v]
         if not pending:
             if not improved:
                 break
