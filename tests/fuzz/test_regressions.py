@@ -1098,3 +1098,36 @@ def test_xla_cpus_ynn_fusion_of_a_bfloat16_exp_sum_is_checked_without_it():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert int(done.stdout.split()[-2]) > 0    # the split rewrote it
+
+
+@pytest.mark.xfail(strict=True, reason="engine (open): a gradient taken through hlopass.jit of a split program is "
+                   "about 100 times less accurate than jax.jit's here (found by hypothesis in round 31)")
+def test_gradient_through_a_split_call_is_as_accurate_as_jax_jits():
+    """``tests/passes/split/test_split_properties.py``'s example n=199, m=210, d=4, ``sq_dist``, ``where``
+    then ``square`` then ``softplus``, ``solve_left_t``, ``sum0``, in a ``cond``, seed 581 (threshold
+    123.73 kB): ``jax.grad`` of a linear functional of ``hlopass.jit(program, passes="split")`` is 1.5e-4
+    of its scale from the float64 run (median entry 3.7e-3 off), ``jax.jit``'s 3e-7 (2.2e-5), so the
+    property test's float32 tolerance fails on 2 of 796 entries. ``hlopass.jit`` of the gradient itself
+    is as accurate as ``jax.jit`` (3e-7): what differs is the path through the call's linearisation
+    (under ``jax.checkpoint``, its transposed program split again). Fails the same at 61dcbfe."""
+    from tests.passes.split.test_split_properties import build
+    n, m, d, seed = 199, 210, 4, 581
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x, y = jax.random.normal(keys[0], (n, d)), jax.random.normal(keys[1], (m, d))
+    u, v = jax.random.normal(keys[2], (n,)), jax.random.normal(keys[3], (m,))
+    program = build("sq_dist", ["where", "square", "softplus"], "sum0", "solve_left_t", "cond")
+    f = hlopass.jit(program, passes="split", threshold=max(4_096, int(n * m * d * 4 * 0.18504751332499958)))
+    assert f.trace(x, y, u, v).report.rewrites
+
+    def gradient(fn, *args):
+        def scalar(x, y):
+            out = fn(x, y, args[2], args[3])
+            return jnp.sum(out * jnp.cos(jnp.arange(out.size, dtype=out.dtype).reshape(out.shape)))
+        return np.asarray(jax.jit(jax.grad(scalar))(args[0], args[1]), np.float64)
+
+    got, want = gradient(f, x, y, u, v), gradient(jax.jit(program), x, y, u, v)
+    with jax.enable_x64(True):
+        truth = gradient(program, *(jnp.asarray(np.asarray(a), jnp.float64) for a in (x, y, u, v)))
+    scale = np.max(np.abs(truth))
+    assert np.max(np.abs(want - truth)) / scale < 1e-6
+    assert np.max(np.abs(got - truth)) / scale < 1e-5
