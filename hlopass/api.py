@@ -19,7 +19,7 @@ from hlopass.config import Config
 from hlopass.errors import ConfigError
 from hlopass.jaxpr_utils import trace_flat
 from hlopass.memory import enforce, measure
-from hlopass.pipeline import forget, retrace_wanted, run_pipeline, trace_contexts
+from hlopass.pipeline import collector_paused, forget, retrace_wanted, run_pipeline, trace_contexts
 
 logger = logging.getLogger("hlopass")
 
@@ -211,11 +211,12 @@ class StagedFunction:
 
         dynamic_leaves = [leaf for leaf, d in zip(leaves, dynamic) if d]
         in_avals = [jx.typeof(x) for x in dynamic_leaves]
-        closed = trace_flat(flat_fun, in_avals, label)
-        again = retrace_wanted(closed, config)
-        if again:  # a pass's trace-time work matters here: traced once more, with its findings alone
-            notes.clear()
+        with collector_paused():  # see pipeline.collector_paused: the passes' trace-time work allocates too
             closed = trace_flat(flat_fun, in_avals, label)
+            again = retrace_wanted(closed, config)
+            if again:  # a pass's trace-time work matters here: traced once more, with its findings alone
+                notes.clear()
+                closed = trace_flat(flat_fun, in_avals, label)
         consts = list(closed.consts)
         body = jx.ClosedJaxpr(jx.convert_constvars_jaxpr(closed.jaxpr), ()) if consts else closed
         outs = hlopass_call_p.bind(*consts, *dynamic_leaves, jaxpr=body, config=config, name=label,

@@ -204,7 +204,7 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
         result = PipelineResult(closed, cached.program, cached.report, config)
         result.lowered = cached.program
         return result
-    with progress.program(label, [p.name for p in passes]) as work, _collector_paused():
+    with progress.program(label, [p.name for p in passes]) as work, collector_paused():
         current, rewrote = _run_passes(closed, config, label, notes, passes, facts, report, work)
     if not rewrote:  # nothing rewritten: XLA gets the user's program itself (not its inlined re-trace)
         report.equations_after = report.equations_before
@@ -223,15 +223,18 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while the passes run (as ``timeit`` pauses it).
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while hlopass traces the function and runs the passes
+    (as ``timeit`` pauses it).
 
-    The passes build and drop tens of thousands of containers (a dataflow graph, dimension maps and
-    grown regions per trial planning); enough of them outlived two young collections that Python ran a
-    full collection over every object of the process in the middle of the split, 0.05-0.06 s of a
-    first call of 1.1 s on the Transformer blocks under their memory limit. Paused, they are freed by
-    reference counting as each planning ends; what forms cycles waits for the next collection after
-    the passes. Left as it is where the collector is already off or another thread paused it."""
+    Both build and drop tens of thousands of containers (tracers and equations; a dataflow graph,
+    dimension maps and grown regions per trial planning). Enough of them outlived two young collections
+    that Python ran a full collection over every object of the process in the middle: 0.05-0.06 s of a
+    first call of 1.1 s on the Transformer blocks under their memory limit (in the split), 0.12-0.18 s
+    of the Sinkhorn solve's 1.0 s with rewrites forced (in the trace). Paused, they are freed by
+    reference counting as they go, and are never promoted to the old generation that a full collection
+    scans; what forms cycles waits for the next collection after. Left as it is where the collector is
+    already off or another thread paused it."""
     if not gc.isenabled():
         yield
         return

@@ -46,3 +46,19 @@ class SlowPass(SpyPass):
         with progress.at("the test's region"):
             time.sleep(self.seconds)
         return closed, PassReport(self.name)
+
+
+#: ``gc.isenabled()`` as :class:`CollectorProbePass` found it, one entry per run
+COLLECTOR: list = []
+
+
+@register_pass
+class CollectorProbePass(SpyPass):
+    """Records whether Python's cyclic garbage collector runs while the passes do."""
+
+    name = "test_collector_probe"
+
+    def run(self, closed, config):
+        import gc
+        COLLECTOR.append(gc.isenabled())
+        return super().run(closed, config)

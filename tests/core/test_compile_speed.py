@@ -431,3 +431,26 @@ def test_rewritten_jaxpr_takes_every_traced_input():
     (got,) = jax.jit(jx.jaxpr_as_fun(rewritten))(x, y, ignored)
     np.testing.assert_allclose(got, jax.jit(nearest)(x, y, ignored), rtol=1e-5)
     assert "split" in [r.kind for p in traced.report.passes for r in p.rewrites]
+
+
+def test_the_collector_is_paused_while_hlopass_traces_and_runs_the_passes():
+    """The cyclic garbage collector is off while the function is traced and the passes run, and back
+    on after (pipeline.collector_paused); a collector the user turned off stays off."""
+    import gc
+    in_trace = []
+
+    def f(x, y):
+        in_trace.append(gc.isenabled())
+        return small(x, y)
+
+    spy_pass.COLLECTOR.clear()
+    assert gc.isenabled()
+    jax.block_until_ready(hlopass.jit(f, passes="test_collector_probe")(*args()))
+    assert in_trace == [False] and spy_pass.COLLECTOR == [False]
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        jax.block_until_ready(hlopass.jit(make_small(), passes="test_collector_probe", threshold=1)(*args()))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
