@@ -38,14 +38,22 @@ def register_pass(cls: type) -> type:
 
 def _builtin_table() -> tuple[dict[str, str], tuple[str, ...]]:
     builtin = importlib.import_module("hlopass.passes")
-    if builtin.__name__ not in _FRAMES_EXCLUDED:
-        # the passes' frames are JAX-internal too: source lines name the user's code
-        jx.register_exclusion(os.path.dirname(os.path.abspath(builtin.__file__)) + os.sep)
-        _FRAMES_EXCLUDED.add(builtin.__name__)
+    _exclude_frames(builtin)
     return builtin.BUILTIN, builtin.DEFAULT_PIPELINE
 
 
+def _exclude_frames(builtin) -> None:
+    """The passes' frames are JAX-internal too: source lines name the user's code. Registered when
+    hlopass is imported (the package itself imports no pass): JAX compiles the pattern of excluded
+    paths again after each registration, 0.03-0.04 s, and registered at the first call that was inside
+    the user's first call, where ``jax.jit``'s was compiled earlier, at the first trace of the program."""
+    if builtin.__name__ not in _FRAMES_EXCLUDED:
+        jx.register_exclusion(os.path.dirname(os.path.abspath(builtin.__file__)) + os.sep)
+        _FRAMES_EXCLUDED.add(builtin.__name__)
+
+
 _FRAMES_EXCLUDED: set[str] = set()
+_exclude_frames(importlib.import_module("hlopass.passes"))
 
 
 def builtin_folder() -> str:
