@@ -122,6 +122,9 @@ def decide(result, rewritten: MemoryCheck, rewritten_s: float | None,
     logger.info("hlopass: %s: kept the %s program (%s)", result.report.label, kept, result.report.comparison.line())
     if kept == "original":  # a later process compiles the program as written without the passes
         program_cache.store(getattr(result, "cache_key", None), result.report)
+    elif getattr(result, "exported", None) is not None:  # a later process lowers the program compared here
+        program_cache.write_rewritten(result.cache_key, result.report, result.exported[1])
+        result.exported = None
     return kept
 
 

@@ -72,8 +72,12 @@ class PipelineResult:
         self.unconfirmed: tuple[str, ...] = ()
         self._key = None  # its entry in run_pipeline's cache (see forget)
         #: the rewritten program as stored in the persistent cache (exported; see
-        #: :func:`hlopass.program_cache.store_rewritten`), lowered in its place; ``None`` when not stored
+        #: :func:`hlopass.program_cache.export_rewritten`), lowered in its place; ``None`` when not stored
         self.lowered: jx.ClosedJaxpr | None = None
+        #: ``(program, bytes)`` of the exported rewritten program waiting for XLA's figures to decide
+        #: (:func:`hlopass.never_worse.decide` stores it if they keep it): compared in the exported form,
+        #: a later process that reads it lowers the module XLA's cache holds
+        self.exported: tuple | None = None
 
     @property
     def original(self) -> jx.ClosedJaxpr:
@@ -214,11 +218,13 @@ def _run(closed: jx.ClosedJaxpr, config: Config, label: str, notes: Sequence[Not
     report.equations_after = count_equations(current)
     report.largest_after = largest_values(current)
     result = PipelineResult(closed, current, report, config)
-    result.cache_key = cache_key  # never_worse.decide stores it when XLA's figures keep the original
+    result.cache_key = cache_key
     result.unconfirmed = checks_deferred()
-    if cache_key is not None and not result.needs_comparison:
-        result.lowered = program_cache.store_rewritten(cache_key, report, current,
-                                                       sharded=shards is not None or _in_manual_context())
+    exported = program_cache.export_rewritten(cache_key, current, sharded=shards is not None or _in_manual_context())
+    if exported is not None and not result.needs_comparison:
+        result.lowered = exported[0] if program_cache.write_rewritten(cache_key, report, exported[1]) else None
+    elif exported is not None:  # never_worse.decide stores it, or the original, once XLA's figures decide
+        result.lowered, result.exported = exported[0], exported
     return result
 
 

@@ -14,7 +14,7 @@ A program the passes rewrote (and that needs no comparison with the program as w
 too: the rewritten program exported with ``jax.export`` (``<key>.exported``, beside the entry),
 when it can be (one device, no sharded inputs or manual axes, no effects, and the ``flatbuffers``
 package that ``jax.export`` serialises with, in the ``cache`` extra). Both processes then lower the
-exported program (:func:`store_rewritten` hands the first process the same form it stores): the
+exported program (:func:`export_rewritten` hands the first process the same form it stores): the
 second skips the passes and lowers the same module, which XLA's cache serves. Without an export the
 second process runs the passes again. Writing or reading an entry never breaks a call: a failure is
 logged at debug level and the passes run.
@@ -163,11 +163,11 @@ def store(name: str | None, report: PipelineReport) -> None:
     _write(name, {"format": FORMAT, "program": "as_written", "report": report.to_dict()})
 
 
-def store_rewritten(name: str | None, report: PipelineReport, rewritten: jx.ClosedJaxpr,
-                    sharded: bool) -> jx.ClosedJaxpr | None:
-    """Store ``rewritten`` under ``name``, exported, with ``report``; the program to lower in its
-    place (the exported one, as :func:`load` gives it to a later process), or ``None`` when it cannot
-    be exported (``sharded``: its inputs are sharded or it lies in a ``shard_map``) or the cache is off."""
+def export_rewritten(name: str | None, rewritten: jx.ClosedJaxpr, sharded: bool) -> tuple[jx.ClosedJaxpr, bytes] | None:
+    """``rewritten`` exported: ``(the program calling it, its serialised bytes)`` for :func:`write_rewritten`
+    (the program is what the first process lowers in its place, as :func:`load` gives it to a later one);
+    ``None`` when it cannot be exported (``sharded``: its inputs are sharded or it lies in a
+    ``shard_map``) or the cache is off."""
     if name is None or cache_dir() is None or sharded or jax.device_count() != 1 or rewritten.effects:
         return None
     try:
@@ -178,10 +178,12 @@ def store_rewritten(name: str | None, report: PipelineReport, rewritten: jx.Clos
     except Exception as err:  # noqa: BLE001 - not exportable (or no flatbuffers): not stored
         logger.debug("hlopass: the rewritten program is not stored (%s: %s)", type(err).__name__, err)
         return None
-    if not _write(name, {"format": FORMAT, "program": "rewritten", "report": report.to_dict()},
-                  {".exported": bytes(blob)}):
-        return None
-    return program
+    return program, bytes(blob)
+
+
+def write_rewritten(name: str, report: PipelineReport, blob: bytes) -> bool:
+    """Write the entry of a rewritten program exported as ``blob`` (:func:`export_rewritten`); whether it was."""
+    return _write(name, {"format": FORMAT, "program": "rewritten", "report": report.to_dict()}, {".exported": blob})
 
 
 def _callable_jaxpr(blob: bytes, in_avals) -> jx.ClosedJaxpr:

@@ -136,6 +136,32 @@ def test_rewritten_programs_are_stored_exported(cache_dir):
     np.testing.assert_allclose(f(*args()), want, rtol=1e-5)
 
 
+def test_a_rewritten_program_kept_by_the_comparison_is_stored(cache_dir, monkeypatch):
+    """A rewritten program that still holds a value over the threshold is compared with the program as
+    written (never_worse); kept, it is stored exported once the comparison decides, and a later call
+    of the same program runs no pass and no comparison, with the same numbers."""
+    from hlopass import pipeline
+
+    def program():
+        return lambda x, y: ((jnp.exp(x[:, None, :] - y[None, :, :]).reshape(64, 256) @ jnp.ones((256, 4))).sum(1)
+                             + jnp.linalg.cholesky(x @ x.T + 64 * jnp.eye(64, dtype=x.dtype)).sum(1))  # stays
+    f = hlopass.jit(program(), passes="split", threshold="10kB", never_worse=True)
+    first = f(*args())
+    result = f.trace(*args())
+    assert result.report.rewrites and result.report.comparison is not None
+    assert result.report.comparison.kept == "rewritten"
+    assert sorted(p.suffix for p in (cache_dir / "hlopass").iterdir()) == [".exported", ".json"]
+    runs = []
+    run_passes = pipeline._run_passes
+    monkeypatch.setattr(pipeline, "_run_passes", lambda *a, **k: runs.append(1) or run_passes(*a, **k))
+    again = hlopass.jit(program(), passes="split", threshold="10kB", never_worse=True)
+    second = again(*args())
+    assert runs == [] and again.trace(*args()).report.from_cache
+    want = jax.jit(program())(*args())
+    np.testing.assert_allclose(first, want, rtol=1e-5)
+    np.testing.assert_allclose(second, want, rtol=1e-5)
+
+
 def test_stored_gradient_programs_give_jax_jits_gradients(cache_dir, monkeypatch):
     """Under ``jax.jit(jax.grad(...))`` the rewritten hlopass program is stored exported; a fresh function
     reads it (no pass runs) and its gradients, at sizes no chunk divides, are plain JAX's."""
@@ -167,13 +193,12 @@ def test_sharded_or_effectful_rewrites_are_not_stored(cache_dir):
     from hlopass import pipeline
     closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(5))
     report = hlopass.jit(lambda x: x).trace(jnp.ones(5)).report
-    assert program_cache.store_rewritten("k1", report, closed, sharded=True) is None
-    assert not list((cache_dir / "hlopass").glob("k1*"))
-    stored = program_cache.store_rewritten("k2", report, closed, sharded=False)
-    assert stored is not None and stored.out_avals[0].shape == (5,)
-    assert sorted(p.name for p in (cache_dir / "hlopass").glob("k2*")) == ["k2.exported", "k2.json"]
+    assert program_cache.export_rewritten("k1", closed, sharded=True) is None
+    stored, blob = program_cache.export_rewritten("k2", closed, sharded=False)
+    assert stored.out_avals[0].shape == (5,) and program_cache.write_rewritten("k2", report, blob)
+    assert sorted(p.name for p in (cache_dir / "hlopass").glob("k*")) == ["k2.exported", "k2.json"]
     effects = jax.make_jaxpr(lambda x: jax.debug.print("{}", x) or x)(jnp.ones(5))
-    assert effects.effects and program_cache.store_rewritten("k3", report, effects, sharded=False) is None
+    assert effects.effects and program_cache.export_rewritten("k3", effects, sharded=False) is None
     assert not pipeline._in_manual_context()
 
 
