@@ -109,7 +109,7 @@ class PipelineResult:
         """Values of the rewritten program above the threshold (its inputs and outputs aside: a
         temporary as large as an input still adds to what the program holds)."""
         if not self.changed or self.config.threshold is None or self.report.from_cache:
-            return []  # (a program read from the cache was stored because it needed no comparison)
+            return []  # (a program read from the cache was stored with the comparison settled, if it needed one)
         return values_above(self._rewritten, self.config.threshold)
 
     def confirm(self, check) -> bool:

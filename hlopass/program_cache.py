@@ -10,8 +10,8 @@ files' sizes and times), JAX and jaxlib and the backend. A second process that t
 program finds the entry, skips the passes (and the never-worse comparison), and lowers the program
 as written: the same module as the first process's, which XLA's cache then serves.
 
-A program the passes rewrote (and that needs no comparison with the program as written) is stored
-too: the rewritten program exported with ``jax.export`` (``<key>.exported``, beside the entry),
+A program the passes rewrote is stored too (once the never-worse comparison keeps it, where it
+needs one): the rewritten program exported with ``jax.export`` (``<key>.exported``, beside the entry),
 when it can be (one device, no sharded inputs or manual axes, no effects, and the ``flatbuffers``
 package that ``jax.export`` serialises with, in the ``cache`` extra). Both processes then lower the
 exported program (:func:`export_rewritten` hands the first process the same form it stores): the
