@@ -31,13 +31,19 @@ its avals (no inlining, no analysis, no re-trace).
 A pass may declare capabilities in ``provides`` (``{"reorder_products"}``);
 an earlier pass asks :meth:`Pass.later_provides` whether a pass after it in
 the pipeline will do something, instead of testing pass names.
+
+A pass package imports its machinery where it runs it, not when the package is imported (the
+pipeline imports every enabled pass to key, trace and gate a program; a program read from the
+persistent cache, or one no pass applies to, never runs most of them). The names the package
+offers from its modules are served on first use by :func:`exported_lazily`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, ContextManager, Iterable
+import importlib
+from typing import Any, Callable, ClassVar, ContextManager, Iterable
 
 from hlopass import internals as jx
 
@@ -179,3 +185,17 @@ class Pass:
         Returns ``closed`` itself when there is nothing to do; findings go to ``notes``.
         """
         return closed
+
+
+def exported_lazily(package: str, where: dict[str, str]) -> Callable[[str], Any]:
+    """A pass package's module ``__getattr__``: each name of ``where`` imported from its submodule
+    (``{"split_level": ".driver"}``) when first asked for, then kept in the package."""
+    module = importlib.import_module(package)
+
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(where[name], package), name)
+        setattr(module, name, value)
+        return value
+    return __getattr__

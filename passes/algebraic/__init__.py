@@ -57,17 +57,16 @@ from hlopass.families import INLINABLE
 from hlopass.finite import SPLITS_REGIONS
 from hlopass.interpreter import Replacement, inline_calls, rewrite, rewrite_nested
 from hlopass.jaxpr_utils import aval_str, trace_flat
-from hlopass.pass_base import Pass
+from hlopass.pass_base import Pass, exported_lazily
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
 
-from .bounds import RemovalBounds
-from .expansion import ExpansionLimits, Scope
-from .match import (Candidate, classify, finite_guard, find_candidate, keep_effective, location, may_save_exactly,
-                    reported_however, same_products, touches_large)
+from .options import ExpansionLimits
 
 __all__ = ["AlgebraicPass", "Candidate", "REORDERS_PRODUCTS", "ROOT_PRIMITIVES", "classify", "finite_guard",
            "find_candidate", "inline_calls_everywhere", "keep_effective"]
+__getattr__ = exported_lazily(__name__, {name: ".match" for name in (
+    "Candidate", "classify", "finite_guard", "find_candidate", "keep_effective")})
 
 #: Equations a rewrite may replace (a platform ``cond``: ``jnp.diagonal``).
 ROOT_PRIMITIVES = ("reduce_sum", "dot_general", "cond")
@@ -98,6 +97,10 @@ class AlgebraicPass(Pass):
         return (new if report.rewrites else closed), report
 
     def run_level(self, closed: jx.ClosedJaxpr, config, report) -> jx.ClosedJaxpr:
+        from .bounds import RemovalBounds
+        from .expansion import Scope
+        from .match import (finite_guard, find_candidate, keep_effective, location, may_save_exactly,
+                            reported_however, same_products, touches_large)
         jaxpr = closed.jaxpr
         scope = Scope(jaxpr)
         bounds = None

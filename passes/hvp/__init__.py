@@ -41,7 +41,6 @@ from hlopass import internals as jx
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
 
-from .regions import linearize_hook
 from .trace import inner_gradient_in_call, intercept_gradients, nested_gradient_seen, observe_gradients
 
 
@@ -79,6 +78,7 @@ class HvpPass(Pass):
         Its notes are added only once the whole rewrite has succeeded (if it raises, the pipeline
         keeps the program as it was and says so).
         """
+        from .regions import linearize_hook
         found: list[Note] = []
         new = linearize_hook(closed, config, found)
         notes.extend(found)

@@ -42,8 +42,7 @@ from hlopass.pass_base import Pass
 from hlopass.report import PassReport
 from hlopass.sizes import format_size
 
-from .network import (ChainOptions, Network, Path, contract, describe_path, extract_networks, fitting_path,
-                      optimal_path, path_cost, shared_worth_inlining)
+from .options import ChainOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +70,7 @@ class MatrixChainPass(Pass):
     Options = ChainOptions
 
     def run_level(self, closed: jx.ClosedJaxpr, config: Config, report: PassReport) -> jx.ClosedJaxpr:
+        from .network import extract_networks, shared_worth_inlining
         live = dce(closed)  # dead readers would otherwise make products look shared
         if len(live.jaxpr.eqns) == len(closed.jaxpr.eqns):
             live = closed
@@ -143,6 +143,7 @@ def plan_order(network: Network, threshold_bytes: int | None, force: bool = Fals
     multiply-adds by at least ``min_gain`` (``Config.min_gain``): a smaller gain is not worth
     the change of rounding.
     """
+    from .network import describe_path, fitting_path, optimal_path, path_cost
     itemsize = np.dtype(network.dtype).itemsize
     limit = None if threshold_bytes is None else max(threshold_bytes // itemsize, 1)
     path = None
@@ -183,6 +184,7 @@ def _better(pays: bool, fits_now: bool, fits_after: bool) -> bool:
 
 
 def _emit(network: Network, path: Path, *values):
+    from .network import contract
     return [contract(network, path, values)]
 
 
@@ -193,6 +195,7 @@ def _guarded(build, written, *values):
 
 
 def _report(report: PassReport, root, network: Network, plan: Plan, caveat: str | None = None) -> None:
+    from .network import describe_path
     n_factors = sum(not op.is_ones for op in network.operands)
     shared = ""
     if network.shared_eqns:

@@ -43,6 +43,8 @@ from hlopass.einsum_order import cheapest_order
 from hlopass.families import CHAIN, dot_general_operand_labels
 from hlopass.jaxpr_utils import aval_nbytes, aval_str
 
+from .options import ChainOptions
+
 Label = str
 Path = list[tuple[int, ...]]
 
@@ -52,18 +54,6 @@ Path = list[tuple[int, ...]]
 #: batch of one).
 LINK_PRIMITIVES = CHAIN
 UNIT_AXIS_PRIMITIVES = ("squeeze", "broadcast_in_dim", "reshape")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChainOptions:
-    """Tuning of the matrix-chain pass (``MatrixChainPass(max_operands=32)``)."""
-
-    #: Networks with more operands are left alone.
-    max_operands: int = 64
-    #: The exact search is exponential when a label joins more than two operands
-    #: (a batch axis summed away) or when outer products are searched: such
-    #: networks get it only up to this many operands, larger ones opt_einsum's greedy search.
-    max_exponential_search: int = 10
 
 
 DEFAULTS = ChainOptions()

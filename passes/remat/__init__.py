@@ -52,13 +52,6 @@ from hlopass.report import Note, PassReport
 from hlopass.sharding import explicit_mesh
 from hlopass.sizes import format_size
 
-from .chain import analyse, keeps_residuals
-from .cost import rates
-from .emit import emit
-from .loop import ChainProblem, ScanProblem, closed_loop
-from .primal import rematerialize_primal
-from .report import describe_outcome
-from .scans import block_lengths, segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +85,7 @@ class RematPass(Pass):
         return facts.over(config.memory_limit)
 
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
+        from .chain import keeps_residuals
         limit = config.memory_limit
         if limit is None or not keeps_residuals(closed) or upper_bound(closed, own_values_only=True) <= limit:
             return closed, PassReport(self.name)
@@ -108,6 +102,12 @@ class RematPass(Pass):
 
     def _run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr | None, PassReport]:
         """:meth:`run` past the cheap checks; ``None`` for "unchanged"."""
+        from .chain import analyse
+        from .cost import rates
+        from .emit import emit
+        from .loop import ChainProblem, ScanProblem, closed_loop
+        from .report import describe_outcome
+        from .scans import block_lengths, segments
         report = PassReport(self.name)
         limit = config.memory_limit
         if explicit_mesh(closed) is not None:
@@ -156,6 +156,7 @@ class RematPass(Pass):
         linearises it (see :mod:`.primal`)."""
         if config.memory_limit is None:
             return closed
+        from .primal import rematerialize_primal
         key = (structure(closed), config, self)
         if key not in _done:
             found: list[Note] = []

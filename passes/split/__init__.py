@@ -66,19 +66,18 @@ from hlopass import internals as jx
 from hlopass.config import Config
 from hlopass.jaxpr_utils import largest_values
 from hlopass.memory import defer_check, footprint as measure_alone, upper_bound
-from hlopass.pass_base import Pass
+from hlopass.pass_base import Pass, exported_lazily
 from hlopass.report import PassReport
 from hlopass.sharding import input_shardings
 from hlopass.sizes import format_size
 
-from .driver import inline_calls_holding_large, split_level, split_nested
 from .options import SplitOptions
-from .plan import MAX_NESTING, choose_chunk
-from .report import carried_state, error_text
-from .shares import analyses_kept, device_bytes, sharded_values, top_program
 
 __all__ = ["MAX_NESTING", "SplitOptions", "SplitPass", "carried_state", "choose_chunk", "inline_calls_holding_large",
            "sharded_values", "split_level", "split_nested"]
+__getattr__ = exported_lazily(__name__, {
+    "inline_calls_holding_large": ".driver", "split_level": ".driver", "split_nested": ".driver",
+    "MAX_NESTING": ".plan", "choose_chunk": ".plan", "carried_state": ".report", "sharded_values": ".shares"})
 
 
 class SplitPass(Pass):
@@ -101,11 +100,14 @@ class SplitPass(Pass):
         return facts.above(config.threshold)
 
     def run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
+        from .shares import analyses_kept, top_program
         # the jit arguments' shardings are this program's inputs'; values' sizes and equations' maps asked once
         with top_program(closed.jaxpr), analyses_kept():
             return self._run(closed, config)
 
     def _run(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
+        from .report import error_text
+        from .shares import device_bytes
         new, report = self.run_once(closed, config)
         limit = config.memory_limit
         if limit is None or config.threshold is None or not report.rewrites or upper_bound(new, device_bytes(new.jaxpr), own_values_only=True) <= limit:
@@ -144,6 +146,8 @@ class SplitPass(Pass):
 
     def run_once(self, closed: jx.ClosedJaxpr, config: Config) -> tuple[jx.ClosedJaxpr, PassReport]:
         """One split of ``closed`` and every sub-program, without the memory-limit loop."""
+        from .driver import split_nested
+        from .shares import top_program
         report = PassReport(self.name)
         if config.threshold is None or config.split_size is None:
             return closed, report

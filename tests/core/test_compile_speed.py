@@ -479,3 +479,31 @@ def test_the_collector_is_paused_while_hlopass_traces_and_runs_the_passes():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+MACHINERY = ["hlopass.passes.split.driver", "hlopass.passes.remat.loop", "hlopass.passes.algebraic.expansion",
+             "hlopass.passes.matrix_chain.network", "hlopass.passes.hvp.regions"]
+LIGHT_CHILD = """
+import sys, json
+import hlopass, jax.numpy as jnp
+loaded = {"import": [m for m in MACHINERY if m in sys.modules]}
+hlopass.jit(lambda x: jnp.sum(jnp.tanh(x)), passes="split,remat")(jnp.ones(8))
+loaded["call"] = [m for m in MACHINERY if m in sys.modules]
+print("LOADED", json.dumps(loaded))
+"""
+
+
+def test_importing_hlopass_loads_no_pass_machinery():
+    """``import hlopass`` imports the default passes' classes, not their machinery: a pass loads it
+    where it runs it, so a first call that runs no pass (here the split and remat passes, nothing
+    above a threshold, no memory limit) loads none (``docs/architecture.md``, "A built-in pass's
+    package is light")."""
+    done = subprocess.run([sys.executable, "-c", f"MACHINERY = {MACHINERY!r}\n" + LIGHT_CHILD], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("HLOPASS_")})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("LOADED ")]
+    assert lines, done.stderr[-3000:]
+    loaded = json.loads(lines[0][len("LOADED "):])
+    assert loaded == {"import": [], "call": []}
+    from hlopass.passes import split
+    assert split.split_nested.__module__ == "hlopass.passes.split.driver"  # offered lazily, still offered
