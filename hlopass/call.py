@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 from hlopass import internals as jx
 
-from hlopass import sharding
+from hlopass import program_cache, sharding
 from hlopass.checked import checked_primitive_call, measured_by_caller, program_name
 from hlopass.families import CHEAP_TO_RECOMPUTE
 from hlopass.jaxpr_utils import aval_nbytes, trace_flat
@@ -78,7 +78,8 @@ def _lowering(ctx, *args, jaxpr, config, name, notes):
         whole.result = result
     else:
         settle(result, name, shardings)
-    return jx.core_call_lowering(ctx, *args, name=program_name(name), call_jaxpr=result.to_lower)
+    with program_cache.lowering(result.to_lower):
+        return jx.core_call_lowering(ctx, *args, name=program_name(name), call_jaxpr=result.to_lower)
 
 
 jx.register_lowering(hlopass_call_p, _lowering, cacheable=False)

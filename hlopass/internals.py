@@ -50,6 +50,7 @@ from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax
 from jax._src.lib.mlir import ir
 from jax._src.numpy import einsum as _einsum
+from jax._src.export import _export as _export
 from jax.extend.core import primitives as _primitives
 
 try:  # newer JAX: flat trees have their own module
@@ -294,6 +295,14 @@ def count_jit_and_pmap_lowerings():
     """JAX's test utility counting lowerings (imported when used: it is for tests)."""
     from jax._src import test_util as _test_util
     return _test_util.count_jit_and_pmap_lowerings()
+
+
+# -- exported programs ----------------------------------------------------------------------------
+
+#: The module whose ``_ensure_backends_initialized(platforms)`` JAX's lowering of a call of an exported
+#: program runs first, loading the kernels the program may call (on CPU LAPACK's, which imports scipy:
+#: 0.06 s, whatever the program); ``None`` where this JAX has no such function (nothing to skip).
+export_backends = _export if callable(_optional(_export, "_ensure_backends_initialized")) else None
 
 
 # -- meshes ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ logged at debug level and the passes run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -32,13 +33,16 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any
+import threading
+import weakref
+from typing import Any, Iterator
 
 import jax
 import numpy as np
 from hlopass import internals as jx
 
 from hlopass.jaxpr_utils import iter_eqns
+from hlopass.patches import Patches
 from hlopass.report import Comparison, PassReport, PipelineReport, Rewrite, Skip, source_line
 
 logger = logging.getLogger("hlopass")
@@ -267,10 +271,51 @@ def write_rewritten(name: str, report: PipelineReport, blob: bytes) -> bool:
 
 
 def _callable_jaxpr(blob: bytes, in_avals) -> jx.ClosedJaxpr:
-    """The jaxpr calling the exported program serialised in ``blob``, at ``in_avals``."""
+    """The jaxpr calling the exported program serialised in ``blob``, at ``in_avals`` (marked
+    :func:`lapack_free` when no LAPACK kernel's name appears in it)."""
     from jax import export
     exported = export.deserialize(bytearray(blob))
-    return jax.make_jaxpr(exported.call)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals])
+    program = jax.make_jaxpr(exported.call)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals])
+    if b"lapack" not in blob:
+        _LAPACK_FREE.add(program)
+    return program
+
+
+#: Stored programs calling no LAPACK kernel (a kernel's name, ``lapack_spotrf_ffi``, is written in
+#: the serialised module whenever the program calls it).
+_LAPACK_FREE: weakref.WeakSet = weakref.WeakSet()
+_skipping = threading.local()
+
+
+def lapack_free(program: jx.ClosedJaxpr) -> bool:
+    """Whether ``program`` is a stored program calling no LAPACK kernel (see :func:`lowering`)."""
+    return program in _LAPACK_FREE
+
+
+def _ensure_backends(module, name: str, current):
+    def ensure_backends_initialized(platforms):
+        if not getattr(_skipping, "depth", 0):
+            current(platforms)
+    return ensure_backends_initialized
+
+
+_BACKENDS = Patches(lambda: [(jx.export_backends, "_ensure_backends_initialized")], _ensure_backends)
+
+
+@contextlib.contextmanager
+def lowering(program: jx.ClosedJaxpr) -> Iterator[None]:
+    """Around the lowering of ``program``: for a stored program calling no LAPACK kernel, JAX's lowering
+    of the exported call does not load LAPACK's kernels (importing scipy, 0.06 s of a second process's
+    first call on CPU, for a program that never calls them). Only this thread's lowering skips it."""
+    if jx.export_backends is None or not lapack_free(program):
+        yield
+        return
+    with _BACKENDS.active():
+        _skipping.depth = getattr(_skipping, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _skipping.depth -= 1
 
 
 def _write(name: str | None, entry: dict, beside: dict | None = None) -> bool:

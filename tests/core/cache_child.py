@@ -1,12 +1,13 @@
 """One of two processes sharing JAX's persistent compilation cache, started by
 ``tests/core/test_compile_speed.py``:
 
-    python -m tests.core.cache_child CACHE_DIR PASSES THRESHOLD
+    python -m tests.core.cache_child CACHE_DIR PASSES THRESHOLD [cholesky]
 
-calls a small program through ``hlopass.jit`` (the given passes and threshold) and prints one
-``ROW`` JSON line: how many times each test pass ran, how many times the pipeline ran passes at all,
-how many of hlopass's compiles XLA's persistent cache served, the result, ``jax.jit``'s result, and
-the entries under ``CACHE_DIR/hlopass``.
+calls a small program through ``hlopass.jit`` (the given passes and threshold; with ``cholesky``, one
+that also factors a matrix, a LAPACK kernel on CPU) and prints one ``ROW`` JSON line: how many
+times each test pass ran, how many times the pipeline ran passes at all, how many of hlopass's
+compiles XLA's persistent cache served, whether scipy was imported by the call (JAX loads LAPACK's
+kernels through it), the result, ``jax.jit``'s result, and the entries under ``CACHE_DIR/hlopass``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ def program(x, y):
     return (d.min(1) + x.sum(1)).sum()
 
 
-def main(cache_dir: str, passes: str, threshold: str) -> None:
+def factoring_program(x, y):
+    import jax.numpy as jnp
+    gram = x.T @ x + jnp.eye(x.shape[1])
+    return program(x, y) + jnp.linalg.cholesky(gram).sum()
+
+
+def main(cache_dir: str, passes: str, threshold: str, which: str = "plain") -> None:
     import jax
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -38,14 +45,16 @@ def main(cache_dir: str, passes: str, threshold: str) -> None:
         lambda event, **_: hits.append(1) if event == "/jax/compilation_cache/cache_hits" else None)
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((300, 3), np.float32), rng.standard_normal((200, 3), np.float32)
-    out = hlopass.jit(program, passes=passes, threshold=threshold)(x, y)
+    fun = factoring_program if which == "cholesky" else program
+    out = hlopass.jit(fun, passes=passes, threshold=threshold)(x, y)
     served = len(hits)
-    expected = jax.jit(program)(x, y)
+    scipy_imported = "scipy" in sys.modules
+    expected = jax.jit(fun)(x, y)
     folder = os.path.join(cache_dir, "hlopass")
     entries = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     print("ROW " + json.dumps({"runs": dict(RUNS), "pipeline_runs": len(ran), "xla_cache_hits": served,
-                               "out": float(out), "expected": float(expected), "entries": entries}), flush=True)
+                               "scipy_imported": scipy_imported, "out": float(out), "expected": float(expected), "entries": entries}), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

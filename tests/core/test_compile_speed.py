@@ -209,8 +209,8 @@ def test_no_cache_without_jax_cache_dir():
     assert program_cache.key(closed, hlopass.jit(small).config(), (), None) is None
 
 
-def _child(cache: str, passes: str = "test_spy", threshold: str = "1GB") -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.core.cache_child", cache, passes, threshold], cwd=ROOT,
+def _child(cache: str, passes: str = "test_spy", threshold: str = "1GB", which: str = "plain") -> dict:
+    done = subprocess.run([sys.executable, "-m", "tests.core.cache_child", cache, passes, threshold, which], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     rows = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
     assert rows, done.stderr[-3000:]
@@ -240,6 +240,20 @@ def test_second_process_skips_the_passes_of_a_rewritten_program(tmp_path):
     second = _child(str(tmp_path), passes="split", threshold="20kB")
     assert second["pipeline_runs"] == 0, "the second process ran the passes"
     assert second["xla_cache_hits"] >= 1, "XLA compiled the program again"
+    assert not second["scipy_imported"], "LAPACK's kernels were loaded for a program that calls none"
+    for row in (first, second):
+        assert row["out"] == pytest.approx(row["expected"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_stored_program_calling_lapack_loads_its_kernels(tmp_path):
+    """The stored program of one that factors a matrix (a LAPACK kernel on CPU) is lowered with
+    LAPACK's kernels loaded, as JAX's lowering of an exported call does: the second process's result
+    is jax.jit's."""
+    first = _child(str(tmp_path), passes="split", threshold="20kB", which="cholesky")
+    assert [e.rsplit(".", 1)[1] for e in first["entries"]] == ["exported", "json"]
+    second = _child(str(tmp_path), passes="split", threshold="20kB", which="cholesky")
+    assert second["pipeline_runs"] == 0 and second["xla_cache_hits"] >= 1 and second["scipy_imported"]
     for row in (first, second):
         assert row["out"] == pytest.approx(row["expected"], rel=1e-5)
 
