@@ -52,31 +52,47 @@ def is_backward(eqn) -> bool:
     return "transpose(" in str(eqn.source_info.name_stack)
 
 
-def subjaxprs(eqn, into_own_programs: bool = False) -> Iterator[jx.Jaxpr]:
+def subjaxprs(eqn, into_own_programs: bool = False) -> Sequence[jx.Jaxpr]:
     """Every (open) sub-jaxpr held in ``eqn.params``: scan/while/cond bodies, call bodies...
 
     A nested ``hlopass_call`` is another hlopass program, with its own settings: entered only with
-    ``into_own_programs``.
+    ``into_own_programs``. (A list, built without generators: every walk of a program asks this of
+    every equation, and most hold none.)
     """
     if eqn.primitive.name in OWN_PROGRAMS and not into_own_programs:
-        return
+        return ()
+    found: list = []
     for value in eqn.params.values():
-        yield from _jaxprs_in(value)
+        if isinstance(value, _HOLDERS):
+            _collect_jaxprs(value, found)
+    return found
 
 
-def _jaxprs_in(value) -> Iterator[jx.Jaxpr]:
+#: The parameter values that are or may hold a jaxpr.
+_HOLDERS = (jx.ClosedJaxpr, jx.Jaxpr, tuple, list)
+
+
+def _collect_jaxprs(value, found: list) -> None:
     if jx.is_closed_jaxpr(value):
-        yield value.jaxpr
+        found.append(value.jaxpr)
     elif isinstance(value, jx.Jaxpr):
-        yield value
+        found.append(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _jaxprs_in(item)
+            if isinstance(item, _HOLDERS):
+                _collect_jaxprs(item, found)
+
+
+def _jaxprs_in(value) -> list[jx.Jaxpr]:
+    found: list = []
+    if isinstance(value, _HOLDERS):
+        _collect_jaxprs(value, found)
+    return found
 
 
 def has_subjaxprs(eqn) -> bool:
     """Whether ``eqn`` holds any sub-jaxpr."""
-    return next(subjaxprs(eqn), None) is not None
+    return bool(subjaxprs(eqn))
 
 
 def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) -> dict | None:
@@ -108,7 +124,7 @@ def map_subjaxprs(eqn, transform: Callable[[jx.ClosedJaxpr], jx.ClosedJaxpr]) ->
             if new is not value:
                 changed = True
             return new
-        if isinstance(value, (tuple, list)) and any(True for _ in _jaxprs_in(value)):
+        if isinstance(value, (tuple, list)) and _jaxprs_in(value):
             items = [visit(key, v) for v in value]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
         return value
