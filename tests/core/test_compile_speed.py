@@ -246,6 +246,20 @@ def test_second_process_skips_the_passes_of_a_rewritten_program(tmp_path):
 
 
 @pytest.mark.slow
+def test_programs_differing_only_in_a_sub_programs_constant_are_stored_apart(tmp_path):
+    """A jitted helper closing over an array keeps it as a constant of the call's sub-program, which
+    ``str(jaxpr)`` does not print: named by their print, the two programs below shared an entry (before
+    round 32), and the second process ran the first one's stored program, scale 1 for scale 2."""
+    first = _child(str(tmp_path), passes="split", threshold="20kB", which="scaled:1")
+    second = _child(str(tmp_path), passes="split", threshold="20kB", which="scaled:2")
+    assert second["pipeline_runs"] == 1, "the second program was read from the first one's entry"
+    assert len(second["entries"]) == 4
+    for row in (first, second):
+        assert row["out"] == pytest.approx(row["expected"], rel=1e-5)
+    assert first["expected"] != pytest.approx(second["expected"], rel=1e-3)
+
+
+@pytest.mark.slow
 def test_a_stored_program_calling_lapack_loads_its_kernels(tmp_path):
     """The stored program of one that factors a matrix (a LAPACK kernel on CPU) is lowered with
     LAPACK's kernels loaded, as JAX's lowering of an exported call does: the second process's result
