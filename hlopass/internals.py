@@ -305,6 +305,18 @@ def count_jit_and_pmap_lowerings():
 export_backends = _export if callable(_optional(_export, "_ensure_backends_initialized")) else None
 
 
+@functools.lru_cache(maxsize=None)
+def lapack_kernel_names() -> tuple[bytes, ...]:
+    """The custom-call targets of the CPU kernels that set-up loads (what a module names when it calls
+    one: ``lapack_spotrf_ffi``...), and ``b"lapack"``, which names them all but one."""
+    try:
+        from jaxlib import lapack as _jaxlib_lapack
+        names = tuple(name.encode() for name in _jaxlib_lapack._lapack.registrations())
+    except Exception:  # noqa: BLE001 - a jaxlib without the table: the common part of the names
+        names = ()
+    return (b"lapack", *(n for n in names if b"lapack" not in n))
+
+
 # -- meshes ---------------------------------------------------------------------------------------
 
 AxisType = _mesh.AxisType

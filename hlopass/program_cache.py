@@ -15,7 +15,9 @@ needs one): the rewritten program exported with ``jax.export`` (``<key>.exported
 when it can be (one device, no sharded inputs or manual axes, no effects, and the ``flatbuffers``
 package that ``jax.export`` serialises with, in the ``cache`` extra). Both processes then lower the
 exported program (:func:`export_rewritten` hands the first process the same form it stores): the
-second skips the passes and lowers the same module, which XLA's cache serves. Without an export the
+second skips the passes and lowers the same module, which XLA's cache serves (for a module naming none
+of LAPACK's kernels, without the LAPACK set-up JAX's lowering of an exported call makes: :func:`lowering`).
+Without an export the
 second process runs the passes again. Writing or reading an entry never breaks a call: a failure is
 logged at debug level and the passes run.
 """
@@ -276,13 +278,13 @@ def _callable_jaxpr(blob: bytes, in_avals) -> jx.ClosedJaxpr:
     from jax import export
     exported = export.deserialize(bytearray(blob))
     program = jax.make_jaxpr(exported.call)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals])
-    if b"lapack" not in blob:
+    if not any(name in blob for name in jx.lapack_kernel_names()):
         _LAPACK_FREE.add(program)
     return program
 
 
 #: Stored programs calling no LAPACK kernel (a kernel's name, ``lapack_spotrf_ffi``, is written in
-#: the serialised module whenever the program calls it).
+#: the serialised module whenever the program calls it; :func:`hlopass.internals.lapack_kernel_names`).
 _LAPACK_FREE: weakref.WeakSet = weakref.WeakSet()
 _skipping = threading.local()
 

@@ -535,3 +535,19 @@ def test_importing_hlopass_loads_no_pass_machinery():
     assert loaded == {"import": [], "call": []}
     from hlopass.passes import split
     assert split.split_nested.__module__ == "hlopass.passes.split.driver"  # offered lazily, still offered
+
+
+@pytest.mark.parametrize("program, calls_lapack", [
+    (lambda a, b: jnp.sin(a) @ b, False),
+    (lambda a, b: jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(4)) @ b, True),
+    (lambda a, b: jax.lax.linalg.triangular_solve(jnp.tril(a) + 4 * jnp.eye(4), b, left_side=True, lower=True), True),
+    (lambda a, b: jax.lax.linalg.tridiagonal_solve(a[0], a[1] + 4, a[2], b), True),
+])
+def test_the_kernel_set_up_is_skipped_only_for_a_stored_program_naming_none_of_its_kernels(program, calls_lapack):
+    """What decides whether JAX's LAPACK set-up is skipped when a stored program is lowered (a program
+    calling a kernel it did not set up would fail in XLA). The match is conservative: a kernel's name in
+    a source location of the module counts too (this test's name, were it to hold one, would)."""
+    a, b = jnp.ones((4, 4)), jnp.ones((4, 3))
+    exported = jax.export.export(jax.jit(program))(a, b)
+    stored = program_cache._callable_jaxpr(exported.serialize(), [jax.typeof(a), jax.typeof(b)])
+    assert program_cache.lapack_free(stored) is not calls_lapack
