@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import heapq
 import math
+import re
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -247,3 +249,90 @@ def last_uses(jaxpr: jx.Jaxpr) -> dict[jx.Var, int]:
         if isinstance(atom, jx.Var):
             last[atom] = len(jaxpr.eqns)
     return last
+
+
+# -- a program's text ---------------------------------------------------------------------------
+
+def program_text(closed: jx.ClosedJaxpr) -> str:
+    """A text naming ``closed`` in any process: each equation's primitive, operands (numbered in order
+    of definition; literals by value and type), parameters (sub-programs written the same way, others
+    by ``repr``) and result types, and a digest of each constant's value (sub-programs' too). Written
+    in a third of the time ``str(jaxpr)`` takes. Addresses in reprs (a PRNG implementation's
+    functions) are left out. Raises :class:`UnnamedProgram` for a constant that is not an array.
+
+    The persistent cache's name for a program (:mod:`hlopass.program_cache`), and the remat pass's key
+    for a program it meets again."""
+    parts: list = []
+    _describe(closed.jaxpr, parts, {})
+    parts.extend(map(_const_text, closed.consts))
+    return _ADDRESS.sub("", repr(parts))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+class UnnamedProgram(Exception):
+    """A program :func:`program_text` cannot name (a constant that is not an array)."""
+
+
+def _describe(jaxpr: jx.Jaxpr, parts: list, types: dict) -> None:
+    """Append ``jaxpr``'s text to ``parts``; ``types`` memoises the avals' texts (the same few recur)."""
+    numbers: dict = {}
+
+    def type_text(aval):
+        text = types.get(aval)
+        if text is None:
+            text = types[aval] = aval.str_short()
+        return text
+
+    def number(v):
+        if isinstance(v, jx.Literal):
+            value = v.val
+            return (value.tobytes() if hasattr(value, "tobytes") else repr(value), type_text(v.aval))
+        n = numbers.get(v)
+        if n is None:
+            n = numbers[v] = len(numbers)
+        return n
+
+    for v in (*jaxpr.constvars, *jaxpr.invars):
+        number(v)
+        parts.append(type_text(v.aval))
+    parts.append(len(jaxpr.constvars))
+    for eqn in jaxpr.eqns:
+        parts.append(eqn.primitive.name)
+        parts.append(tuple(map(number, eqn.invars)))
+        for name, value in eqn.params.items():
+            parts.append(name)
+            _describe_param(value, parts, types)
+        for v in eqn.outvars:
+            number(v)
+            parts.append(type_text(v.aval))
+    parts.append(tuple(map(number, jaxpr.outvars)))
+    parts.append(repr(jaxpr.effects) if jaxpr.effects else "")
+
+
+def _describe_param(value, parts: list, types: dict) -> None:
+    if isinstance(value, jx.ClosedJaxpr):
+        parts.append("{")
+        _describe(value.jaxpr, parts, types)
+        parts.extend(map(_const_text, value.consts))
+        parts.append("}")
+    elif isinstance(value, jx.Jaxpr):
+        parts.append("{")
+        _describe(value, parts, types)
+        parts.append("}")
+    elif isinstance(value, (tuple, list)) and value and isinstance(value[0], (jx.Jaxpr, jx.ClosedJaxpr)):
+        for item in value:
+            _describe_param(item, parts, types)
+    else:
+        parts.append(repr(value))
+
+
+def _const_text(const) -> str:
+    try:
+        value = np.asarray(const)
+    except Exception as err:  # noqa: BLE001 - then the program is not cached
+        raise UnnamedProgram(type(err).__name__) from None
+    if value.dtype == object:
+        raise UnnamedProgram("object constant")
+    return f"{value.dtype}{value.shape}:{hashlib.sha256(value.tobytes()).hexdigest()}"

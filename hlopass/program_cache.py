@@ -32,7 +32,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -40,10 +39,9 @@ import weakref
 from typing import Any, Iterator
 
 import jax
-import numpy as np
 from hlopass import internals as jx
 
-from hlopass.jaxpr_utils import iter_eqns
+from hlopass.jaxpr_utils import UnnamedProgram, iter_eqns, program_text
 from hlopass.patches import Patches
 from hlopass.report import Comparison, PassReport, PipelineReport, Rewrite, Skip, source_line
 
@@ -117,7 +115,7 @@ def key(closed: jx.ClosedJaxpr, config, notes: tuple, shards) -> str | None:
         return None
     try:
         program = program_text(closed)
-    except _Unnamed:
+    except UnnamedProgram:
         return None
     digest = hashlib.sha256()
     settings = dataclasses.replace(config, passes=())
@@ -127,88 +125,6 @@ def key(closed: jx.ClosedJaxpr, config, notes: tuple, shards) -> str | None:
         digest.update(b"\0")
     digest.update("\n".join(source_line(eqn) for eqn in iter_eqns(closed)).encode())
     return digest.hexdigest()
-
-
-def program_text(closed: jx.ClosedJaxpr) -> str:
-    """A text naming ``closed`` in any process: each equation's primitive, operands (numbered in order
-    of definition; literals by value and type), parameters (sub-programs written the same way, others
-    by ``repr``) and result types, and a digest of each constant's value (sub-programs' too). Written
-    in a third of the time ``str(jaxpr)`` takes. Addresses in reprs (a PRNG implementation's
-    functions) are left out. Raises :class:`_Unnamed` for a constant that is not an array."""
-    parts: list = []
-    _describe(closed.jaxpr, parts, {})
-    parts.extend(map(_const_text, closed.consts))
-    return _ADDRESS.sub("", repr(parts))
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-class _Unnamed(Exception):
-    """A program :func:`program_text` cannot name (a constant that is not an array)."""
-
-
-def _describe(jaxpr: jx.Jaxpr, parts: list, types: dict) -> None:
-    """Append ``jaxpr``'s text to ``parts``; ``types`` memoises the avals' texts (the same few recur)."""
-    numbers: dict = {}
-
-    def type_text(aval):
-        text = types.get(aval)
-        if text is None:
-            text = types[aval] = aval.str_short()
-        return text
-
-    def number(v):
-        if isinstance(v, jx.Literal):
-            value = v.val
-            return (value.tobytes() if hasattr(value, "tobytes") else repr(value), type_text(v.aval))
-        n = numbers.get(v)
-        if n is None:
-            n = numbers[v] = len(numbers)
-        return n
-
-    for v in (*jaxpr.constvars, *jaxpr.invars):
-        number(v)
-        parts.append(type_text(v.aval))
-    parts.append(len(jaxpr.constvars))
-    for eqn in jaxpr.eqns:
-        parts.append(eqn.primitive.name)
-        parts.append(tuple(map(number, eqn.invars)))
-        for name, value in eqn.params.items():
-            parts.append(name)
-            _describe_param(value, parts, types)
-        for v in eqn.outvars:
-            number(v)
-            parts.append(type_text(v.aval))
-    parts.append(tuple(map(number, jaxpr.outvars)))
-    parts.append(repr(jaxpr.effects) if jaxpr.effects else "")
-
-
-def _describe_param(value, parts: list, types: dict) -> None:
-    if isinstance(value, jx.ClosedJaxpr):
-        parts.append("{")
-        _describe(value.jaxpr, parts, types)
-        parts.extend(map(_const_text, value.consts))
-        parts.append("}")
-    elif isinstance(value, jx.Jaxpr):
-        parts.append("{")
-        _describe(value, parts, types)
-        parts.append("}")
-    elif isinstance(value, (tuple, list)) and value and isinstance(value[0], (jx.Jaxpr, jx.ClosedJaxpr)):
-        for item in value:
-            _describe_param(item, parts, types)
-    else:
-        parts.append(repr(value))
-
-
-def _const_text(const) -> str:
-    try:
-        value = np.asarray(const)
-    except Exception as err:  # noqa: BLE001 - then the program is not cached
-        raise _Unnamed(type(err).__name__) from None
-    if value.dtype == object:
-        raise _Unnamed("object constant")
-    return f"{value.dtype}{value.shape}:{hashlib.sha256(value.tobytes()).hexdigest()}"
 
 
 @dataclasses.dataclass

@@ -45,7 +45,7 @@ import dataclasses
 from hlopass import internals as jx
 
 from hlopass.config import Config
-from hlopass.jaxpr_utils import dce
+from hlopass.jaxpr_utils import UnnamedProgram, dce, program_text
 from hlopass.memory import checks_deferred, defer_check, footprint, upper_bound
 from hlopass.pass_base import Pass
 from hlopass.report import Note, PassReport
@@ -176,5 +176,11 @@ _done: dict = {}
 
 
 def structure(closed: jx.ClosedJaxpr) -> tuple:
-    """A key equal for jaxprs that print the same, dead code aside, and share their constants."""
-    return str(dce(closed).jaxpr), tuple(id(c) for c in closed.consts)
+    """A key equal for programs that compute the same, dead code aside: their text and the values of
+    their constants, sub-programs' included (:func:`hlopass.jaxpr_utils.program_text`; a constant that
+    is not an array is told apart by its identity)."""
+    live = dce(closed)
+    try:
+        return (program_text(live),)
+    except UnnamedProgram:
+        return str(live.jaxpr), tuple(id(c) for c in closed.consts)

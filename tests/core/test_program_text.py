@@ -1,4 +1,4 @@
-"""The persistent cache's name for a program (:func:`hlopass.program_cache.program_text`): programs
+"""The persistent cache's name for a program (:func:`hlopass.jaxpr_utils.program_text`): programs
 that print differently, or differ only in a constant's value, get different names; the same program
 gets the same name in every trace and every process."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from hlopass.program_cache import program_text
+from hlopass.jaxpr_utils import program_text
 from tests.fuzz.exclusions import excluded
 from tests.fuzz.programs import float_inputs, programs
 from tests.fuzz.runner import _value_and_grad, well_posed
@@ -113,7 +113,7 @@ def _closed_call_of(jx, value, x):
 
 CHILD = """
 import jax, jax.numpy as jnp
-from hlopass.program_cache import program_text
+from hlopass.jaxpr_utils import program_text
 def f(x):
     return x * jax.random.normal(jax.random.PRNGKey(0), x.shape)
 print("TEXT", program_text(jax.make_jaxpr(f)(jnp.ones(4))))
